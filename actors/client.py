@@ -1,0 +1,36 @@
+"""ClientActor: a long-lived Ray actor hosting one or more clients on its CPU slot or GPU slice."""
+
+from __future__ import annotations
+
+import ray
+
+
+@ray.remote
+class ClientActor:
+    def __init__(self, cfg, model_spec, task, x, y, client_data: dict, initial):
+        import torch
+
+        from rayfl.algorithms import get_algorithm
+        from rayfl.host import ClientHost
+
+        # Ray has set CUDA_VISIBLE_DEVICES to this actor's GPU(s); "cuda" is then the right one.
+        self.gpu_ids = [str(g) for g in ray.get_gpu_ids()]
+        device = "cuda" if self.gpu_ids and torch.cuda.is_available() else "cpu"
+        self.host = ClientHost(cfg, get_algorithm(cfg.algo), model_spec, task, x, y, client_data, initial,
+                               device=device, share=ray.put, resolve=ray.get)
+
+    def run(self, step: str, items: list) -> list:
+        return self.host.run(step, items)
+
+    def state(self) -> dict:
+        return self.host.state()
+
+    def load_state(self, states: dict) -> None:
+        self.host.load_state(states)
+
+    def vectors(self) -> dict:
+        return {cid: c.vector() for cid, c in self.host.clients.items()}
+
+    def info(self) -> dict:
+        ctx = ray.get_runtime_context()
+        return {"node_id": ctx.get_node_id(), "gpu_ids": self.gpu_ids, **self.host.info()}

@@ -1,0 +1,63 @@
+"""DriverActor: runs the shared round loop with the clients in client actors, and tracks the run.
+
+It answers ``poll`` while ``run`` works (two concurrent calls), so that whoever submitted the run, the
+CLI or a Tune trial, sees each round as it ends.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import ray
+
+from rayfl.loop import Callback
+
+
+class RoundQueue(Callback):
+    """Round records waiting to be picked up by the submitter."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._items: list[dict] = []
+
+    def on_round(self, loop, record) -> None:
+        with self._lock:
+            self._items.append({"step": record.step, "stage": record.stage, "metrics": record.metrics,
+                                "participants": len(record.participants), "total": len(loop.schedule())})
+
+    def drain(self) -> list[dict]:
+        with self._lock:
+            items, self._items = self._items, []
+        return items
+
+
+@ray.remote(max_concurrency=2)
+class DriverActor:
+    def __init__(self, prepared, x_ref, y_ref, resources, tracking: dict, checkpoint_dir: str | None,
+                 actor_options=None):
+        self.prepared, self.x_ref, self.y_ref = prepared, x_ref, y_ref
+        self.resources, self.tracking, self.checkpoint_dir = resources, tracking, checkpoint_dir
+        self.actor_options = actor_options
+        self.queue = RoundQueue()
+
+    def run(self) -> dict:
+        from actors.runtime import RayRuntime
+        from rayfl.loop import Loop
+        from rayfl.tracking import MlflowTracker
+
+        scheduling = (lambda i: self.actor_options[i]) if self.actor_options else None
+        runtime = RayRuntime(self.prepared, self.x_ref[0], self.y_ref[0], self.resources, scheduling)
+        tracker = MlflowTracker(**self.tracking)
+        loop = Loop(self.prepared, runtime, [tracker, self.queue], self.checkpoint_dir)
+        try:
+            loop.run()
+        except BaseException:
+            tracker.fail()
+            raise
+        finally:
+            runtime.shutdown()
+        return {"final": loop.final, "history": loop.history, "per_client": loop.last_eval,
+                "run_id": tracker.run_id, "placement": None}
+
+    def poll(self) -> list[dict]:
+        return self.queue.drain()

@@ -1,0 +1,39 @@
+"""Submit one experiment to Ray: data into the object store once, a DriverActor, progress as it runs."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import ray
+
+from actors.driver import DriverActor
+from actors.resources import DRIVER_CPUS, plan_actor_resources
+from rayfl.runtime import assign_hosts
+
+
+def launch(prepared, tracking: dict, checkpoint_dir: str | None = None,
+           on_round: Callable[[dict], None] | None = None, resources=None, driver_options: dict | None = None,
+           actor_options: list[dict] | None = None, poll_seconds: float = 0.25) -> dict:
+    """Run ``prepared`` on the connected Ray cluster; ``on_round`` sees each round's record."""
+    cfg = prepared.cfg
+    n_actors = len(assign_hosts(cfg.clients, cfg.clients_per_actor))
+    if resources is None:
+        resources = plan_actor_resources(cfg, n_actors, ray.cluster_resources())
+    ds = prepared.dataset
+    # Wrapped in a list so the driver receives the refs themselves, not the arrays.
+    x_ref, y_ref = [ray.put(ds.x)], [ray.put(ds.y)]
+    light = dataclasses.replace(prepared, dataset=dataclasses.replace(ds, x=None, y=None))
+    driver = DriverActor.options(num_cpus=DRIVER_CPUS, **(driver_options or {})).remote(
+        light, x_ref, y_ref, resources, tracking, checkpoint_dir, actor_options)
+    done = driver.run.remote()
+    try:
+        while True:
+            ready, _ = ray.wait([done], timeout=poll_seconds)
+            for rec in ray.get(driver.poll.remote()):
+                if on_round:
+                    on_round(rec)
+            if ready:
+                return ray.get(done)
+    finally:
+        ray.kill(driver)

@@ -1,0 +1,46 @@
+"""How many CPUs and GPUs each client actor asks for, from what the cluster reports.
+
+Fractional GPUs let several client actors share one GPU (Ray sets CUDA_VISIBLE_DEVICES for each);
+an explicit ``num_cpus`` is always given, since an actor without one still reserves a whole CPU for
+scheduling and the third actor on a 2-core machine would never start.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+DRIVER_CPUS = 0.05  # the driver actor mostly waits on its clients
+
+
+@dataclass(frozen=True)
+class ActorResources:
+    num_cpus: float
+    num_gpus: float
+
+    def options(self) -> dict:
+        return {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+
+
+def _floor(x: float, step: float = 0.01) -> float:
+    return max(step, math.floor(x / step + 1e-9) * step)
+
+
+def plan_actor_resources(cfg, n_actors: int, cluster: dict) -> ActorResources:
+    """Per-actor CPUs and GPUs: the user's values where given, else an even share of the cluster.
+
+    ``cluster`` is what ``ray.cluster_resources()`` (or a trial's reservation) reports.
+    """
+    total_cpus = float(cluster.get("CPU", 1.0))
+    total_gpus = float(cluster.get("GPU", 0.0))
+    if cfg.cpus_per_actor > 0:
+        cpus = cfg.cpus_per_actor
+    else:
+        cpus = min(float(cfg.torch_threads), _floor((total_cpus - DRIVER_CPUS) / n_actors))
+    if cfg.gpus_per_actor >= 0:
+        gpus = cfg.gpus_per_actor
+    elif total_gpus > 0:
+        gpus = min(1.0, _floor(total_gpus / n_actors, 0.0001))
+    else:
+        gpus = 0.0
+    return ActorResources(round(cpus, 4), round(gpus, 4))

@@ -1,0 +1,186 @@
+"""The algorithm contract: what an algorithm writes, and nothing that the platform already does.
+
+An algorithm is one module in ``rayfl/algorithms/`` that defines three things and registers them:
+
+``Params``
+    A dataclass of the algorithm's own knobs (ε, M, β, λ, T, ...), with defaults from its paper. Its
+    ``check(n_clients)`` method raises ``ValueError("name=value: what is allowed")`` for bad values. The
+    same names are what ``rayfl run --param KEY=VALUE`` and ``tune_spaces/<algo>.yaml`` set.
+
+``Server`` (driver side, subclass of :class:`Server`)
+    Holds the driver-side state (a global model, FedFomo's P, stored uploads) and writes one round
+    top to bottom in :meth:`Server.run_round`. It talks to clients only through ``call(step, messages)``,
+    which runs the named client step on many clients in parallel and returns their uploads. Models travel
+    as *handles* (a Ray ObjectRef under Ray, the array itself in one process): ``self.put`` makes one,
+    ``self.get`` reads some; routing a handle from one client to another never pulls it into the driver.
+
+``ClientLogic`` (client side, subclass of :class:`ClientLogic`)
+    Methods named ``step_<name>(client, msg, models)`` run on one :class:`~rayfl.client.Client` (its data,
+    model and personal state live in the client, which lives in a long-lived actor). ``models`` is
+    ``msg["models"]`` with every handle resolved to a flat float32 numpy vector (a dict name -> vector,
+    a list of vectors, or a dict key -> vector). A step returns a small dict, its *upload*; a vector meant
+    to stay in the object store is wrapped with ``client.share(vec)``, which the driver sees as a handle.
+    ``step_evaluate`` (default: evaluate ``client.model``) reports the personalized model's metrics.
+
+The shared loop (:mod:`rayfl.loop`) owns everything else: participant sampling, dispatch, evaluation,
+the summary across clients, logging, checkpoints and timing. Stages (PersFL's distillation, FedMoE's
+fine-tuning and gate) are listed by :meth:`Server.stages`; each stage is a number of rounds in the same run.
+
+Registering: ``ALGORITHM = Algorithm("name", Params, Server, ClientLogic, "one-line summary")`` at the
+bottom of the module, and the module's name in :data:`rayfl.algorithms.MODULES`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+Message = dict  # driver -> client: {"models": {...handles...}, other small values}
+Upload = dict  # client -> driver: small values, and handles made with client.share
+Call = Callable[[str, Mapping[int, Message]], "dict[int, Upload]"]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A named block of rounds; ``sample=False`` means every client takes part in each of its rounds."""
+
+    name: str
+    rounds: int
+    sample: bool = True
+
+
+@dataclass
+class RunInfo:
+    """What a server may know about the run, fixed before the first round."""
+
+    n_clients: int
+    rounds: int
+    participation: float
+    seed: int
+    n_train: list[int]  # training-set size per client, index = client id
+    task: str = "classification"
+    groups: list[int] | None = None  # latent group per client, where the partition has them
+    n_params: int = 0
+
+
+@dataclass
+class NoParams:
+    """For algorithms without knobs of their own."""
+
+    def check(self, n_clients: int) -> None:  # noqa: D401 - nothing to check
+        return None
+
+
+class Server:
+    """Driver side of an algorithm. Ray-free; ``put``/``get`` are given by the runtime."""
+
+    def __init__(self, params: Any, info: RunInfo, put: Callable[[Any], Any], get: Callable[[list], list],
+                 rng: np.random.Generator, initial: np.ndarray):
+        self.params = params
+        self.info = info
+        self.put = put
+        self.get = get
+        self.rng = rng
+        self.initial = put(initial)  # the common initial model, as a handle
+
+    def stages(self) -> list[Stage]:
+        return [Stage("train", self.info.rounds)]
+
+    def setup(self, call: Call) -> dict:
+        """Once before the first round (user-centric FL's gradient statistics). Returns metrics."""
+        return {}
+
+    def run_round(self, stage: Stage, rnd: int, participants: list[int], call: Call) -> dict:
+        raise NotImplementedError  # each algorithm writes its round
+
+    def eval_messages(self, stage: Stage, rnd: int, cids: list[int]) -> dict[int, Message]:
+        """What each client needs to evaluate its personalized model (FedAvg sends the global model)."""
+        return {c: {} for c in cids}
+
+    def artifacts(self) -> dict[str, Any]:
+        """Driver-side state worth keeping at the end: name -> numpy array / dict / DataFrame."""
+        return {}
+
+    def round_artifacts(self, rnd: int) -> dict[str, Any]:
+        """Driver-side state worth keeping every round (FedFomo's P): name -> numpy array."""
+        return {}
+
+    def final_model(self) -> Any:
+        """Handle of the model to save as the run's final global model, or None."""
+        return None
+
+    def state_dict(self) -> dict:
+        """Driver state for checkpoints; handles are resolved by the loop."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        return None
+
+
+class ClientLogic:
+    """Client side of an algorithm: ``step_<name>`` methods on one client. Ray-free."""
+
+    def __init__(self, params: Any):
+        self.params = params
+
+    def init_client(self, client) -> None:
+        """Once per client, after its data and initial model are in place."""
+        return None
+
+    def step_evaluate(self, client, msg: Message, models: dict) -> Upload:
+        return client.evaluate(client.model)
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    name: str
+    Params: type
+    Server: type
+    ClientLogic: type
+    summary: str = ""
+
+    def make_params(self, values: Mapping[str, Any] | None = None):
+        """Build and check Params from user values; unknown keys and bad values raise ValueError."""
+        values = dict(values or {})
+        fields = {f.name: f for f in dataclasses.fields(self.Params)}
+        unknown = sorted(set(values) - set(fields))
+        if unknown:
+            allowed = ", ".join(sorted(fields)) or "none"
+            raise ValueError(f"unknown parameter {unknown[0]!r} for algorithm {self.name!r}; allowed: {allowed}")
+        converted = {k: _coerce(v, fields[k], self.name) for k, v in values.items()}
+        return self.Params(**converted)
+
+    def param_names(self) -> list[str]:
+        return [f.name for f in dataclasses.fields(self.Params)]
+
+
+def _coerce(value: Any, field: dataclasses.Field, algo: str) -> Any:
+    """Turn a CLI/YAML value into the field's declared type (the type is read from its default)."""
+    default = field.default if field.default is not dataclasses.MISSING else None
+    if default is None or type(value) is type(default):
+        return value
+    try:
+        if isinstance(default, bool):
+            if isinstance(value, str):
+                if value.lower() in ("1", "true", "yes", "on"):
+                    return True
+                if value.lower() in ("0", "false", "no", "off"):
+                    return False
+                raise ValueError
+            return bool(value)
+        if isinstance(default, int) and not isinstance(value, float):
+            return int(value)
+        if isinstance(default, (int, float)):
+            return float(value)
+        if isinstance(default, str):
+            return str(value)
+        if isinstance(default, tuple):
+            items = value.split(",") if isinstance(value, str) else list(value)
+            kind = type(default[0]) if default else float
+            return tuple(kind(v) for v in items)
+    except (TypeError, ValueError):
+        pass
+    raise ValueError(f"{field.name}={value!r} for algorithm {algo!r}: expected {type(default).__name__}")

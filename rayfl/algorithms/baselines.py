@@ -1,0 +1,116 @@
+"""The baselines every comparison needs: Local (no federation), FedAvg, and FedAvg + local fine-tuning.
+
+FedAvg (McMahan et al. 2017): each sampled client trains from the global model, the server averages
+the uploads weighted by training-set size. FedAvg-FT: the same rounds, then one stage in which every
+client fine-tunes the final global model on its own training split and keeps it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from rayfl.algorithms.base import Algorithm, ClientLogic, NoParams, Server, Stage
+from rayfl.training import weighted_average
+
+
+def weighted_mean(ups: dict, key: str, weight: str = "n") -> float:
+    """Size-weighted mean of one scalar across uploads (NaN-free uploads only)."""
+    pairs = [(u[key], u[weight]) for u in ups.values() if u.get(weight, 0) > 0 and u[key] == u[key]]
+    return float(np.average([p[0] for p in pairs], weights=[p[1] for p in pairs])) if pairs else float("nan")
+
+
+class FedAvgServer(Server):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.global_ref = self.initial
+
+    def average(self, ups: dict) -> None:
+        """Replace the global model by the size-weighted average of the uploaded models."""
+        vectors = self.get([u["weights"] for u in ups.values()])
+        self.global_ref = self.put(weighted_average(vectors, [u["n"] for u in ups.values()]))
+
+    def run_round(self, stage, rnd, participants, call):
+        ups = call("train", {c: {"models": {"global": self.global_ref}} for c in participants})
+        self.average(ups)
+        return {"train_loss": weighted_mean(ups, "train_loss")}
+
+    def eval_messages(self, stage, rnd, cids):
+        return {c: {"models": {"global": self.global_ref}} for c in cids}
+
+    def final_model(self):
+        return self.global_ref
+
+    def state_dict(self):
+        return {"global": self.get([self.global_ref])[0]}
+
+    def load_state_dict(self, state):
+        self.global_ref = self.put(state["global"])
+
+
+class FedAvgClient(ClientLogic):
+    def step_train(self, client, msg, models):
+        client.load(models["global"])
+        result = client.fit()
+        return {"weights": client.share(client.vector()), **result}
+
+    def step_evaluate(self, client, msg, models):
+        if "global" in models:
+            client.load(models["global"])
+        return client.evaluate(client.model)
+
+
+@dataclass
+class FineTuneParams:
+    ft_epochs: int = 1  # local epochs of fine-tuning after the FedAvg rounds
+    ft_lr: float = 0.0  # 0: the run's learning rate
+
+    def check(self, n_clients: int) -> None:
+        if self.ft_epochs < 1:
+            raise ValueError(f"ft_epochs={self.ft_epochs}: must be >= 1")
+        if self.ft_lr < 0:
+            raise ValueError(f"ft_lr={self.ft_lr}: must be >= 0 (0 means the run's lr)")
+
+
+class FineTuneServer(FedAvgServer):
+    def stages(self):
+        return [Stage("fedavg", self.info.rounds), Stage("finetune", 1, sample=False)]
+
+    def run_round(self, stage, rnd, participants, call):
+        if stage.name == "fedavg":
+            return super().run_round(stage, rnd, participants, call)
+        ups = call("finetune", {c: {"models": {"global": self.global_ref}} for c in participants})
+        return {"train_loss": weighted_mean(ups, "train_loss")}
+
+    def eval_messages(self, stage, rnd, cids):
+        return super().eval_messages(stage, rnd, cids) if stage.name == "fedavg" else {c: {} for c in cids}
+
+
+class FineTuneClient(FedAvgClient):
+    def step_finetune(self, client, msg, models):
+        client.load(models["global"])
+        return client.fit(epochs=self.params.ft_epochs, lr=self.params.ft_lr or None)
+
+
+class LocalServer(Server):
+    """No federation: every client trains its own model from the common initialisation, every round."""
+
+    def stages(self):
+        return [Stage("local", self.info.rounds, sample=False)]
+
+    def run_round(self, stage, rnd, participants, call):
+        ups = call("train", {c: {} for c in participants})
+        return {"train_loss": weighted_mean(ups, "train_loss")}
+
+
+class LocalClient(ClientLogic):
+    def step_train(self, client, msg, models):
+        return client.fit()
+
+
+ALGORITHMS = [
+    Algorithm("local", NoParams, LocalServer, LocalClient, "each client trains alone"),
+    Algorithm("fedavg", NoParams, FedAvgServer, FedAvgClient, "federated averaging"),
+    Algorithm("fedavg-ft", FineTuneParams, FineTuneServer, FineTuneClient, "FedAvg, then local fine-tuning"),
+]

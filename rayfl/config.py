@@ -1,0 +1,190 @@
+"""One experiment's configuration: defaults, YAML/flag merging, and the checks that run before any actor.
+
+Every value here is logged as an MLflow param, and every name is one a Tune space may set. Algorithm
+knobs live in ``params`` and are checked by the algorithm's own ``Params`` dataclass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import yaml
+
+
+class UserError(Exception):
+    """A mistake in what the user asked for: shown as one line, exit status 2, no traceback."""
+
+
+PARTITIONS = ("iid", "pathological", "dirichlet", "latent", "majority", "label-groups", "rotation",
+              "permutation")
+SIZE_DISTRIBUTIONS = ("equal", "lognormal")
+OPTIMIZERS = ("sgd", "adam")
+
+
+@dataclass
+class Config:
+    # what runs
+    algo: str = "fedavg"
+    params: dict = field(default_factory=dict)  # the algorithm's own knobs (ε, M, β, λ, T, ...)
+    # data
+    dataset: str = "digits"
+    data_root: str | None = None
+    download: bool = False
+    partition: str = "pathological"
+    classes_per_client: int = 2  # pathological
+    alpha: float = 0.5  # dirichlet
+    groups: int = 4  # latent / label-groups / rotation / permutation
+    majority: float = 0.8  # majority-class fraction p (FedMoE)
+    sizes: str = "equal"  # client dataset sizes: equal | lognormal (PersFL DS-3)
+    size_sigma: float = 2.0  # lognormal sigma for sizes
+    samples_per_client: int = 0  # 0: the whole dataset is divided among the clients
+    val_frac: float = 0.2  # fraction of each client's data held out for validation
+    test_frac: float = 0.2  # fraction of each client's data held out for test
+    ood: bool = False  # FedFomo's out-of-distribution setting: (val, test) pairs swapped among clients
+    # federation
+    clients: int = 10
+    rounds: int = 20
+    participation: float = 1.0  # fraction of clients sampled each round
+    # local training
+    model: str = "auto"
+    local_epochs: int = 1
+    lr: float = 0.05
+    batch_size: int = 32
+    optimizer: str = "sgd"
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    seed: int = 0
+    # evaluation, logging, keeping
+    eval_every: int = 1
+    checkpoint_every: int = 0  # 0: no checkpoints
+    out_dir: str = "rayfl-runs"
+    tracking_uri: str | None = None  # None: MLFLOW_TRACKING_URI, else sqlite:///mlflow.db
+    experiment: str = "rayfl"
+    run_name: str | None = None
+    # resources
+    clients_per_actor: int = 1
+    cpus_per_actor: float = 0.0  # 0: share the cluster's CPUs among the actors
+    gpus_per_actor: float = -1.0  # -1: automatic (a fraction of the GPUs when the cluster has any)
+    torch_threads: int = 1
+
+    def check(self) -> None:
+        """Raise UserError naming the first bad value and what is allowed."""
+        from rayfl.algorithms import algorithm_names, get_algorithm
+        from rayfl.data import DATASETS
+        from rayfl.models import MODELS
+
+        _one_of("algo", self.algo, algorithm_names())
+        _one_of("dataset", self.dataset, DATASETS)
+        _one_of("partition", self.partition, PARTITIONS)
+        _one_of("sizes", self.sizes, SIZE_DISTRIBUTIONS)
+        _one_of("optimizer", self.optimizer, OPTIMIZERS)
+        _one_of("model", self.model, ("auto",) + tuple(MODELS))
+        for name in ("clients", "rounds", "local_epochs", "batch_size", "eval_every", "clients_per_actor",
+                     "torch_threads", "groups", "classes_per_client"):
+            if getattr(self, name) < 1:
+                raise UserError(f"{name}={getattr(self, name)}: must be an integer >= 1")
+        for name in ("checkpoint_every", "samples_per_client"):
+            if getattr(self, name) < 0:
+                raise UserError(f"{name}={getattr(self, name)}: must be an integer >= 0")
+        for name in ("participation", "majority"):
+            _fraction(name, getattr(self, name), low_open=True)
+        for name in ("val_frac", "test_frac"):
+            _fraction(name, getattr(self, name), low_open=False, high_open=True)
+        if self.val_frac + self.test_frac >= 1:
+            raise UserError(f"val_frac + test_frac = {self.val_frac + self.test_frac:g}: must be below 1")
+        for name in ("lr", "alpha", "size_sigma"):
+            if not getattr(self, name) > 0:
+                raise UserError(f"{name}={getattr(self, name)}: must be > 0")
+        if self.momentum < 0 or self.weight_decay < 0 or self.cpus_per_actor < 0:
+            raise UserError("momentum, weight_decay and cpus_per_actor must be >= 0")
+        if self.gpus_per_actor < 0 and self.gpus_per_actor != -1:
+            raise UserError(f"gpus_per_actor={self.gpus_per_actor}: must be >= 0, or -1 for automatic")
+        if self.data_root is not None and not os.path.isdir(os.path.expanduser(self.data_root)):
+            raise UserError(f"data_root={self.data_root!r}: no such directory")
+        try:
+            get_algorithm(self.algo).make_params(self.params).check(self.clients)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+
+    def to_flat(self) -> dict[str, Any]:
+        """All resolved values as flat MLflow params (algorithm knobs as ``param.<name>``)."""
+        from rayfl.algorithms import get_algorithm
+
+        flat = {k: v for k, v in dataclasses.asdict(self).items() if k != "params"}
+        resolved = dataclasses.asdict(get_algorithm(self.algo).make_params(self.params))
+        flat.update({f"param.{k}": v for k, v in resolved.items()})
+        return flat
+
+
+def _one_of(name: str, value: Any, allowed) -> None:
+    if value not in allowed:
+        raise UserError(f"{name}={value!r}: unknown; allowed: {', '.join(map(str, allowed))}")
+
+
+def _fraction(name: str, value: float, low_open: bool, high_open: bool = False) -> None:
+    low_ok = value > 0 if low_open else value >= 0
+    high_ok = value < 1 if high_open else value <= 1
+    if not (low_ok and high_ok):
+        interval = ("(" if low_open else "[") + "0, 1" + (")" if high_open else "]")
+        raise UserError(f"{name}={value}: must be in {interval}")
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+
+
+def make_config(file: str | None = None, overrides: Mapping[str, Any] | None = None) -> Config:
+    """Defaults, then a YAML file, then explicit overrides (flags); unknown keys are user errors."""
+    values: dict[str, Any] = {}
+    if file:
+        values.update(read_yaml(file))
+    for k, v in (overrides or {}).items():
+        if k == "params":
+            values["params"] = {**values.get("params", {}), **v}
+        else:
+            values[k] = v
+    unknown = sorted(set(values) - set(FIELDS))
+    if unknown:
+        where = f" in {file}" if file else ""
+        raise UserError(f"unknown config key {unknown[0]!r}{where}; allowed: {', '.join(FIELDS)}")
+    if not isinstance(values.get("params", {}), dict):
+        raise UserError(f"params in {file}: must be a mapping of algorithm knobs")
+    cfg = Config(**{k: _convert(k, v) for k, v in values.items()})
+    return cfg
+
+
+def read_yaml(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise UserError(f"config file {path!r}: no such file")
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except yaml.YAMLError as e:
+        raise UserError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: must hold a mapping of config keys")
+    return data
+
+
+def _convert(name: str, value: Any) -> Any:
+    """Give a YAML/flag value the type of the field's default (ints stay ints, '0.1' becomes 0.1)."""
+    default = Config.__dataclass_fields__[name].default
+    if name == "params" or value is None or default is None or default is dataclasses.MISSING:
+        return value
+    kind = type(default)
+    if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
+        return value
+    try:
+        if kind is bool:
+            if str(value).lower() in ("1", "true", "yes", "on"):
+                return True
+            if str(value).lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if kind is int and float(value) != int(float(value)):
+            raise ValueError
+        return kind(float(value)) if kind is int else kind(value)
+    except (TypeError, ValueError):
+        raise UserError(f"{name}={value!r}: expected {kind.__name__}") from None

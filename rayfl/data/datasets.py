@@ -1,0 +1,182 @@
+"""Whole datasets as normalized numpy arrays, loaded once on the driver and shared with the actors.
+
+Train and test files are concatenated: the partitioning (partition.py) makes each client's own test split and
+the global holdout, so the original split has no role (as in PersFL's pooled setup).
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from rayfl.config import Config, UserError
+
+DATASETS = ("digits", "mnist", "fashion-mnist", "cifar10", "cifar100", "synthetic", "sine")
+
+
+@dataclass
+class Dataset:
+    name: str
+    x: np.ndarray  # float32, normalized; images (N, C, H, W), tabular (N, D)
+    y: np.ndarray  # int64 class labels, or float32 targets (N, 1) for regression
+    task: str  # "classification" | "regression"
+    num_classes: int  # output size of the model (1 for regression)
+    input_shape: tuple  # shape of one x
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+
+def load_dataset(cfg: Config) -> Dataset:
+    """The dataset cfg.dataset names; synthetic ones are generated from cfg.seed."""
+    name = cfg.dataset
+    if name == "digits":
+        return _digits()
+    if name == "synthetic":
+        return _synthetic(cfg.seed)
+    if name == "sine":
+        return _sine(cfg.seed)
+    if name in ("mnist", "fashion-mnist"):
+        return _mnist_like(name, cfg)
+    if name in ("cifar10", "cifar100"):
+        return _cifar(name, cfg)
+    raise UserError(f"dataset={name!r}: unknown; allowed: {', '.join(DATASETS)}")
+
+
+def _standardize(x: np.ndarray) -> np.ndarray:
+    """Per-channel (images) or per-feature (tabular) standardization, statistics over the whole pool."""
+    axes = (0, 2, 3) if x.ndim == 4 else (0,)
+    mean = x.mean(axis=axes, keepdims=True, dtype=np.float64)
+    std = x.std(axis=axes, keepdims=True, dtype=np.float64)
+    out = (x - mean.astype(np.float32)) / np.maximum(std, 1e-6).astype(np.float32)
+    return out.astype(np.float32, copy=False)
+
+
+def _images(name: str, x: np.ndarray, y: np.ndarray, num_classes: int) -> Dataset:
+    x = _standardize(x)
+    return Dataset(name, x, y.astype(np.int64), "classification", num_classes, tuple(x.shape[1:]))
+
+
+def _digits() -> Dataset:
+    """scikit-learn's 8x8 digits (1797 images): the dataset that needs no files and no network."""
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = (d.images.astype(np.float32) / 16.0)[:, None, :, :]
+    return _images("digits", x, d.target, 10)
+
+
+def _synthetic(seed: int) -> Dataset:
+    """A 10-class Gaussian mixture in 32 dimensions, 200 samples per class: linearly separable enough that a
+    linear model or small MLP is well above chance after a couple of epochs, but not trivially."""
+    rng = np.random.default_rng([seed, 0x5EED])
+    classes, per_class, dim = 10, 200, 32
+    means = rng.normal(0.0, 0.5, size=(classes, dim))
+    y = np.repeat(np.arange(classes), per_class)
+    x = means[y] + rng.normal(0.0, 1.0, size=(len(y), dim))
+    order = rng.permutation(len(y))
+    x = _standardize(x[order].astype(np.float32))
+    return Dataset("synthetic", x, y[order].astype(np.int64), "classification", 10, (dim,))
+
+
+def _sine(seed: int) -> Dataset:
+    """FedeRiCo's Figure-1 toy (spec 002 §5.2): y = sin(x) + N(0, 0.1^2), x ~ U[0, 2π], 1000 points.
+    x is left unscaled so client intervals read as intervals of the curve; the `latent` partition cuts it into
+    contiguous intervals (one per group)."""
+    rng = np.random.default_rng([seed, 0x51E])
+    x = rng.uniform(0.0, 2 * np.pi, size=(1000, 1))
+    y = np.sin(x) + rng.normal(0.0, 0.1, size=x.shape)
+    return Dataset("sine", x.astype(np.float32), y.astype(np.float32), "regression", 1, (1,))
+
+
+# ---------------------------------------------------------------- MNIST family (raw IDX files or torchvision)
+
+_IDX = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+        "t10k": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
+_TV_DIR = {"mnist": "MNIST", "fashion-mnist": "FashionMNIST"}
+
+
+def _read_idx(path: str) -> np.ndarray:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rb") as f:
+        data = f.read()
+    if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] != 8:
+        raise UserError(f"{path}: not an IDX file of unsigned bytes")
+    ndim = data[3]
+    dims = [int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim)]
+    arr = np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim)
+    if arr.size != int(np.prod(dims)):
+        raise UserError(f"{path}: truncated IDX file")
+    return arr.reshape(dims)
+
+
+def _find(directory: str, stem: str) -> str | None:
+    for candidate in (stem, stem + ".gz"):
+        p = os.path.join(directory, candidate)
+        if os.path.isfile(p):
+            return p
+    return None
+
+
+def _idx_pairs(root: str, name: str) -> list[tuple[str, str]]:
+    """(images, labels) file pairs found in root itself or in torchvision's root/<MNIST|FashionMNIST>/raw."""
+    for directory in (root, os.path.join(root, _TV_DIR[name], "raw")):
+        pairs = []
+        for img_stem, lbl_stem in _IDX.values():
+            img, lbl = _find(directory, img_stem), _find(directory, lbl_stem)
+            if img and lbl:
+                pairs.append((img, lbl))
+        if pairs:
+            return pairs
+    return []
+
+
+def _mnist_like(name: str, cfg: Config) -> Dataset:
+    """Raw IDX files in the data root are read directly (whatever of train/t10k is there); otherwise torchvision."""
+    root = os.path.expanduser(cfg.data_root) if cfg.data_root else None
+    pairs = _idx_pairs(root, name) if root and os.path.isdir(root) else []
+    if pairs:
+        xs, ys = zip(*[(_read_idx(i), _read_idx(l)) for i, l in pairs])
+        x, y = np.concatenate(xs), np.concatenate(ys)
+        if len(x) != len(y):
+            raise UserError(f"{cfg.data_root}: image and label files of {name} disagree in length")
+    else:
+        import torchvision.datasets as tvd
+
+        cls = tvd.MNIST if name == "mnist" else tvd.FashionMNIST
+        parts = _torchvision(cls, name, cfg)
+        x = np.concatenate([p.data.numpy() for p in parts])
+        y = np.concatenate([p.targets.numpy() for p in parts])
+    x = (x.astype(np.float32) / 255.0)[:, None, :, :]
+    return _images(name, x, y, 10)
+
+
+def _cifar(name: str, cfg: Config) -> Dataset:
+    import torchvision.datasets as tvd
+
+    cls = tvd.CIFAR10 if name == "cifar10" else tvd.CIFAR100
+    parts = _torchvision(cls, name, cfg)
+    x = np.concatenate([p.data for p in parts]).transpose(0, 3, 1, 2)
+    y = np.concatenate([np.asarray(p.targets) for p in parts])
+    x = x.astype(np.float32) / 255.0
+    return _images(name, x, y, 10 if name == "cifar10" else 100)
+
+
+def _torchvision(cls, name: str, cfg: Config) -> list:
+    missing = (f"dataset {name!r} needs its files: pass --data-root DIR holding them, or --download "
+               f"(needs network)")
+    if cfg.data_root is None and not cfg.download:
+        raise UserError(missing)
+    root = os.path.expanduser(cfg.data_root or os.path.join("~", ".cache", "rayfl", "data"))
+    try:
+        return [cls(root, train=train, download=cfg.download) for train in (True, False)]
+    except RuntimeError as e:  # torchvision: "Dataset not found or corrupted"
+        if cfg.download:
+            raise UserError(f"dataset {name!r}: download into {root} failed ({e})") from None
+        raise UserError(missing) from None
+    except OSError as e:  # urllib errors when offline
+        raise UserError(f"dataset {name!r}: download into {root} failed ({e}); pass --data-root DIR "
+                        f"holding its files") from None

@@ -1,0 +1,50 @@
+"""What an experiment is made of before its first round: data, federation, model and initial weights.
+
+Built once, in the process that submits the run, so that every user mistake (a bad partition, a
+missing data root) is reported before any actor starts, and the data is loaded exactly once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from rayfl.algorithms import get_algorithm
+from rayfl.algorithms.base import Algorithm, RunInfo
+from rayfl.config import Config, UserError
+from rayfl.host import ModelSpec
+
+
+@dataclass
+class Prepared:
+    cfg: Config
+    algorithm: Algorithm
+    dataset: object  # rayfl.data.Dataset
+    federation: object  # rayfl.data.Federation
+    model_spec: ModelSpec
+    initial: np.ndarray
+    info: RunInfo
+
+
+def prepare(cfg: Config) -> Prepared:
+    from rayfl.data import build_federation, load_dataset
+    from rayfl.models import default_model
+    from rayfl.training import to_vector
+
+    cfg.check()
+    ds = load_dataset(cfg)
+    fed = build_federation(cfg, ds)
+    name = default_model(ds) if cfg.model == "auto" else cfg.model
+    spec = ModelSpec(name, tuple(ds.input_shape), int(ds.num_classes))
+    torch.manual_seed(cfg.seed)
+    try:
+        initial = to_vector(spec.build())
+    except (RuntimeError, ValueError) as e:
+        raise UserError(f"model={name!r} does not fit dataset {cfg.dataset!r} of shape {ds.input_shape}: {e}")
+    groups = [c.group for c in fed.clients]
+    info = RunInfo(n_clients=cfg.clients, rounds=cfg.rounds, participation=cfg.participation, seed=cfg.seed,
+                   n_train=[len(c.train) for c in fed.clients], task=ds.task,
+                   groups=groups if any(g is not None for g in groups) else None, n_params=int(initial.size))
+    return Prepared(cfg, get_algorithm(cfg.algo), ds, fed, spec, initial, info)

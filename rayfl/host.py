@@ -1,0 +1,120 @@
+"""ClientHost: the Ray-free core of a client actor. It holds one or more clients and runs algorithm steps.
+
+One host call carries the work of all its clients for a step, and every model handle that the step's
+messages name is resolved in one batch: Ray call overhead is paid per actor, not per client.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from rayfl.client import Client, TrainSettings
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """How to build the experiment's network anywhere: name and the dataset's shape."""
+
+    name: str
+    input_shape: tuple
+    num_outputs: int
+
+    def build(self):
+        from rayfl.models import build_model
+
+        return build_model(self.name, self.input_shape, self.num_outputs)
+
+
+class ClientHost:
+    def __init__(self, cfg, algorithm, model_spec: ModelSpec, task: str, x, y, client_data: dict,
+                 initial: np.ndarray, device: str = "cpu", share: Callable = lambda v: v,
+                 resolve: Callable[[list], list] = lambda hs: list(hs)):
+        from rayfl.data import materialize
+
+        torch.set_num_threads(cfg.torch_threads)
+        self.device = device
+        self.resolve = resolve
+        self.logic = algorithm.ClientLogic(algorithm.make_params(cfg.params))
+        settings = TrainSettings.from_config(cfg, task)
+        self.clients: dict[int, Client] = {}
+        for cid, cd in client_data.items():
+            torch.manual_seed(cfg.seed)  # initial weights come from `initial`; this seeds anything else
+            client = Client(cid, materialize(x, y, cd, device), model_spec.build, initial, settings,
+                            cfg.seed, device, share, cd.group)
+            self.logic.init_client(client)
+            self.clients[cid] = client
+
+    def run(self, step: str, items: list[tuple[int, dict]]) -> list[dict]:
+        """Run ``step_<step>`` for each (client id, message); one batched fetch of every named model."""
+        method = getattr(self.logic, f"step_{step}", None)
+        if method is None:
+            raise ValueError(f"{type(self.logic).__module__} has no client step {step!r}")
+        resolved = self._resolve_models([msg.get("models", {}) for _, msg in items])
+        uploads = []
+        for (cid, msg), models in zip(items, resolved):
+            t0 = time.perf_counter()
+            up = method(self.clients[cid], msg, models) or {}
+            up.setdefault("seconds", time.perf_counter() - t0)
+            uploads.append(up)
+        return uploads
+
+    def _resolve_models(self, model_maps: list[dict]) -> list[dict]:
+        handles, slots = [], []
+        for i, mm in enumerate(model_maps):
+            for name, h in mm.items():
+                if isinstance(h, dict):
+                    for key, hh in h.items():
+                        slots.append((i, name, key)), handles.append(hh)
+                elif isinstance(h, (list, tuple)):
+                    for j, hh in enumerate(h):
+                        slots.append((i, name, j)), handles.append(hh)
+                else:
+                    slots.append((i, name, None)), handles.append(h)
+        values = self.resolve(handles) if handles else []
+        out: list[dict] = [{} for _ in model_maps]
+        for (i, name, key), v in zip(slots, values):
+            src = model_maps[i][name]
+            if key is None:
+                out[i][name] = v
+            elif isinstance(src, dict):
+                out[i].setdefault(name, {})[key] = v
+            else:
+                out[i].setdefault(name, [None] * len(src))[key] = v
+        return out
+
+    def state(self) -> dict[int, bytes]:
+        """Each client's model, personal state and optimizer, serialized, for checkpoints."""
+        return {cid: _dump({"model": c.model.state_dict(), "state": c.state,
+                            "optimizer": c.optimizer.state_dict() if c.optimizer else None,
+                            "gen": c.gen.get_state(), "rng": c.rng.bit_generator.state})
+                for cid, c in self.clients.items()}
+
+    def load_state(self, states: dict[int, bytes]) -> None:
+        for cid, blob in states.items():
+            c = self.clients[cid]
+            st = torch.load(io.BytesIO(blob), map_location=self.device, weights_only=False)
+            c.model.load_state_dict(st["model"])
+            c.state = st["state"]
+            if st["optimizer"] is not None and c.optimizer is not None:
+                c.optimizer.load_state_dict(st["optimizer"])
+            c.gen.set_state(st["gen"])
+            c.rng.bit_generator.state = st["rng"]
+
+    def info(self) -> dict:
+        """Where this host runs and what it was given: for the placement record."""
+        return {"clients": sorted(self.clients), "device": self.device, "pid": os.getpid(),
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                "torch_threads": torch.get_num_threads()}
+
+
+def _dump(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()

@@ -1,0 +1,47 @@
+"""The evaluation summary across clients (DESIGN.md section 6, pFL-Bench's protocol).
+
+Every client is evaluated on its own test split; a round is summarised by the unweighted mean, the
+sample-weighted mean, the sample standard deviation across clients (PersFL's fairness measure), the
+worst client and the mean of the bottom 10% of clients, for accuracy and for loss.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def summarize(values, weights=None, higher_is_better: bool = True) -> dict[str, float]:
+    """Summary statistics of one per-client metric; NaN entries (empty splits) are left out."""
+    v = np.asarray(values, dtype=np.float64)
+    w = np.ones_like(v) if weights is None else np.asarray(weights, dtype=np.float64)
+    keep = ~np.isnan(v)
+    v, w = v[keep], w[keep]
+    if v.size == 0:
+        return {k: float("nan") for k in ("mean", "weighted_mean", "std", "worst", "bottom10_mean")}
+    ordered = np.sort(v) if higher_is_better else np.sort(v)[::-1]
+    tail = ordered[: max(1, math.ceil(0.1 * v.size))]
+    return {
+        "mean": float(v.mean()),
+        "weighted_mean": float((v * w).sum() / w.sum()) if w.sum() > 0 else float("nan"),
+        "std": float(v.std(ddof=1)) if v.size > 1 else 0.0,
+        "worst": float(ordered[0]),
+        "bottom10_mean": float(tail.mean()),
+    }
+
+
+def round_summary(per_client: dict[int, dict], splits=("test", "val")) -> dict[str, float]:
+    """Flat metrics for one round, e.g. ``test_acc_mean``, ``test_loss_worst``, from client records."""
+    cids = sorted(per_client)
+    out: dict[str, float] = {}
+    for split in splits:
+        n = [per_client[c].get(f"n_{split}", 0) for c in cids]
+        for metric, higher in (("acc", True), ("loss", False)):
+            key = f"{split}_{metric}"
+            vals = [per_client[c].get(key, float("nan")) for c in cids]
+            if all(isinstance(x, float) and math.isnan(x) for x in vals):
+                continue
+            for stat, value in summarize(vals, n, higher).items():
+                out[f"{key}_{stat}"] = value
+    return out
