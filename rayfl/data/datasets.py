@@ -47,12 +47,20 @@ def load_dataset(cfg: Config) -> Dataset:
 
 
 def _standardize(x: np.ndarray) -> np.ndarray:
-    """Per-channel (images) or per-feature (tabular) standardization, statistics over the whole pool."""
+    """Per-channel (images) or per-feature (tabular) standardization over the whole pool, in place (the
+    callers pass fresh float32 arrays; CIFAR is 0.7 GB, so no second copy)."""
     axes = (0, 2, 3) if x.ndim == 4 else (0,)
-    mean = x.mean(axis=axes, keepdims=True, dtype=np.float64)
-    std = x.std(axis=axes, keepdims=True, dtype=np.float64)
-    out = (x - mean.astype(np.float32)) / np.maximum(std, 1e-6).astype(np.float32)
-    return out.astype(np.float32, copy=False)
+    n = x.size // int(np.prod([x.shape[a] for a in range(x.ndim) if a not in axes]))
+    total = sq = 0.0
+    for i in range(0, len(x), 8192):  # float64 sums in chunks: no full-size float64 temporary
+        chunk = x[i:i + 8192].astype(np.float64)
+        total = total + chunk.sum(axis=axes, keepdims=True)
+        sq = sq + np.square(chunk).sum(axis=axes, keepdims=True)
+    mean = total / n
+    std = np.sqrt(np.maximum(sq / n - mean ** 2, 0.0))
+    x -= mean.astype(np.float32)
+    x /= np.maximum(std, 1e-6).astype(np.float32)
+    return x
 
 
 def _images(name: str, x: np.ndarray, y: np.ndarray, num_classes: int) -> Dataset:

@@ -1,0 +1,278 @@
+"""The cluster-launcher configs in cluster/ are valid for the installed Ray, and keep their ports private.
+
+What `ray up` does before it launches anything: the JSON schema shipped inside the ray package, then
+Ray's own ``prepare_config`` + ``validate_config`` (private API, as `ray up` calls them). On top of
+that, the points a schema cannot see: the head takes no Ray work, token auth reaches every node,
+every `ray start` / `mlflow server` flag exists in the installed versions, every command is valid
+bash, and neither the security group nor a bind address exposes MLflow or the dashboard.
+Fast: no cluster, no network.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import pathlib
+import re
+import shlex
+import shutil
+import subprocess
+
+import pytest
+import yaml
+
+jsonschema = pytest.importorskip("jsonschema")
+ray = pytest.importorskip("ray")
+
+import ray.autoscaler  # noqa: E402
+from ray.autoscaler._private.util import prepare_config, validate_config  # noqa: E402
+
+# Importing ray's CLI pulls in ray.serve, whose pydantic models warn about deprecated Field usage.
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+CLUSTER_DIR = pathlib.Path(__file__).resolve().parent.parent / "cluster"
+CONFIGS = ["cluster.yaml", "onprem.yaml"]
+SCHEMA = json.loads((pathlib.Path(ray.autoscaler.__file__).parent / "ray-schema.json").read_text())
+PRIVATE_PORTS = {5000, 8265, 6379, 10001, 2049, 8076, 52365}
+COMMAND_KEYS = ["initialization_commands", "setup_commands", "head_setup_commands", "worker_setup_commands",
+                "head_start_ray_commands", "worker_start_ray_commands"]
+
+
+def load(name: str) -> dict:
+    with open(CLUSTER_DIR / name) as f:
+        return yaml.safe_load(f)
+
+
+def all_commands(cfg: dict) -> list[str]:
+    cmds = [c for key in COMMAND_KEYS for c in cfg.get(key) or []]
+    for node_type in (cfg.get("available_node_types") or {}).values():
+        cmds += node_type.get("worker_setup_commands") or []
+    return cmds
+
+
+def segments(command: str, program: str) -> list[list[str]]:
+    """The argument lists of every invocation of ``program`` ("ray start", "mlflow server") in a line."""
+    out = []
+    for part in re.split(r";|&&|\|\||\bthen\b|\belse\b", command):
+        part = part.strip()
+        if part.startswith("nohup "):
+            part = part[len("nohup "):]
+        if part.startswith(program + " "):
+            # Drop redirections and a trailing '&' that belong to the shell, not the program.
+            words = shlex.split(re.split(r"\s[0-9]?>|\s<|\s&(?:\s|$)", " " + part)[0])
+            out.append(words[len(program.split()):])
+    return out
+
+
+def options(args: list[str]) -> dict[str, str | None]:
+    opts, i = {}, 0
+    while i < len(args):
+        a = args[i]
+        if a.startswith("-"):
+            if "=" in a:
+                k, v = a.split("=", 1)
+                opts[k] = v
+            elif i + 1 < len(args) and not args[i + 1].startswith("-"):
+                opts[a] = args[i + 1]
+                i += 1
+            else:
+                opts[a] = None
+        i += 1
+    return opts
+
+
+def ray_starts(cfg: dict, key: str) -> list[tuple[str, dict]]:
+    return [(c, options(seg)) for c in cfg.get(key) or [] for seg in segments(c, "ray start")]
+
+
+def mlflow_servers(cfg: dict) -> list[tuple[str, dict]]:
+    return [(c, options(seg)) for c in all_commands(cfg) for seg in segments(c, "mlflow server")]
+
+
+# --- validity ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_schema_shipped_with_ray(name):
+    errors = [f"{'/'.join(map(str, e.path)) or '<top>'}: {e.message}"
+              for e in jsonschema.Draft7Validator(SCHEMA).iter_errors(load(name))]
+    assert not errors, "\n".join(errors)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_ray_up_prepare_and_validate(name):
+    prepared = prepare_config(copy.deepcopy(load(name)))
+    validate_config(prepared)
+    assert prepared["head_node_type"] in prepared["available_node_types"]
+
+
+def test_schema_check_is_not_vacuous():
+    bad = copy.deepcopy(load("cluster.yaml"))
+    bad["setup_command"] = bad.pop("setup_commands")
+    bad["available_node_types"]["gpu.1x"]["resources"]["GPU"] = 0.5
+    messages = " ".join(e.message for e in jsonschema.Draft7Validator(SCHEMA).iter_errors(bad))
+    assert "setup_command" in messages and "0.5 is not of type 'integer'" in messages
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_every_command_is_valid_bash(name):
+    bash = shutil.which("bash")
+    if bash is None:
+        pytest.skip("no bash")
+    for cmd in all_commands(load(name)):
+        r = subprocess.run([bash, "-n", "-c", cmd], capture_output=True, text=True)
+        assert r.returncode == 0, f"{cmd!r}: {r.stderr}"
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_ray_start_and_mlflow_flags_exist(name):
+    from ray.scripts.scripts import start
+
+    ray_flags = {o for p in start.params for o in p.opts}
+    cfg = load(name)
+    starts = ray_starts(cfg, "head_start_ray_commands") + ray_starts(cfg, "worker_start_ray_commands")
+    assert len(starts) == 2
+    for cmd, opts in starts:
+        unknown = set(opts) - ray_flags
+        assert not unknown, f"`ray start` has no {sorted(unknown)} (in {cmd!r})"
+    mlflow_cli = pytest.importorskip("mlflow.cli")
+    mlflow_flags = {o for p in mlflow_cli.server.params for o in p.opts}
+    servers = mlflow_servers(cfg)
+    assert len(servers) == 1
+    for cmd, opts in servers:
+        unknown = set(opts) - mlflow_flags
+        assert not unknown, f"`mlflow server` has no {sorted(unknown)} (in {cmd!r})"
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_installs_rayfl_from_the_synced_tree_with_the_tested_ray(name):
+    cfg = load(name)
+    assert cfg["file_mounts"].get("~/rayfl") == "."
+    setup = " ".join(cfg.get("setup_commands", []))
+    assert "-e ~/rayfl" in setup
+    pinned = re.findall(r"ray\[[^\]]*\]==([0-9.]+)", setup)
+    assert pinned == [ray.__version__], "the cluster must run the Ray version the tests ran with"
+    excluded = set(cfg.get("rsync_exclude", []))
+    assert {".venv", ".git", "mlflow.db"} <= excluded
+
+
+# --- the head takes no Ray work; GPUs on the workers -------------------------------------------------
+
+def test_aws_node_types():
+    cfg = load("cluster.yaml")
+    assert cfg["provider"]["type"] == "aws"
+    types = cfg["available_node_types"]
+    head = types[cfg["head_node_type"]]
+    assert head["resources"].get("CPU") == 0 and head["resources"].get("GPU", 0) == 0
+    [(_, head_opts)] = ray_starts(cfg, "head_start_ray_commands")
+    assert head_opts.get("--num-cpus") == "0" and head_opts.get("--num-gpus") == "0"
+    workers = {k: v for k, v in types.items() if k != cfg["head_node_type"]}
+    assert workers and all(v["resources"].get("GPU", 0) >= 1 for v in workers.values())
+    assert all(0 <= v.get("min_workers", 0) <= v["max_workers"] for v in workers.values())
+    assert any(v.get("min_workers", 0) >= 1 for v in workers.values())
+    # One AMI for every node type (the &ami anchor), so head and workers run the same software.
+    assert len({v["node_config"]["ImageId"] for v in types.values()}) == 1
+
+
+def test_onprem_uses_the_local_provider_with_gpu_workers():
+    cfg = load("onprem.yaml")
+    assert cfg["provider"]["type"] == "local"
+    assert cfg["provider"]["head_ip"] and cfg["provider"]["worker_ips"]
+    assert "available_node_types" not in cfg  # prepare_local aborts otherwise
+    [(_, worker_opts)] = ray_starts(cfg, "worker_start_ray_commands")
+    assert float(worker_opts["--num-gpus"]) >= 1
+    [(_, head_opts)] = ray_starts(cfg, "head_start_ray_commands")
+    assert head_opts.get("--num-cpus") == "0" and head_opts.get("--num-gpus") == "0"
+    prepared = prepare_config(copy.deepcopy(cfg))
+    node_type = prepared["available_node_types"]["local.cluster.node"]
+    assert node_type["min_workers"] == node_type["max_workers"] == len(cfg["provider"]["worker_ips"])
+
+
+# --- security -----------------------------------------------------------------------------------------
+
+def _rule_ports(rule: dict) -> set[int] | None:
+    """The ports a rule opens; None means all of them."""
+    if str(rule.get("IpProtocol")) == "-1" or rule.get("FromPort", -1) == -1:
+        return None
+    return set(range(int(rule["FromPort"]), int(rule["ToPort"]) + 1))
+
+
+def exposures(cfg: dict) -> list[str]:
+    """Inbound rules (beyond Ray's intra-group + SSH defaults) that open a private port or the internet."""
+    found = []
+    for rule in cfg["provider"].get("security_group", {}).get("IpPermissions", []):
+        cidrs = [r.get("CidrIp") for r in rule.get("IpRanges", [])] + \
+                [r.get("CidrIpv6") for r in rule.get("Ipv6Ranges", [])]
+        ports = _rule_ports(rule)
+        if "0.0.0.0/0" in cidrs or "::/0" in cidrs:
+            found.append(f"open to the internet: {rule}")
+        elif cidrs and (ports is None or ports & PRIVATE_PORTS):
+            found.append(f"exposes a private port: {rule}")
+    return found
+
+
+def test_aws_security_group_opens_nothing_private():
+    cfg = load("cluster.yaml")
+    assert "security_group" in cfg["provider"]
+    assert exposures(cfg) == []
+
+
+@pytest.mark.parametrize("rule", [
+    {"FromPort": 5000, "ToPort": 5000, "IpProtocol": "tcp", "IpRanges": [{"CidrIp": "0.0.0.0/0"}]},
+    {"FromPort": 8000, "ToPort": 9000, "IpProtocol": "tcp", "IpRanges": [{"CidrIp": "203.0.113.7/32"}]},
+    {"FromPort": -1, "ToPort": -1, "IpProtocol": "-1", "Ipv6Ranges": [{"CidrIpv6": "::/0"}]},
+])
+def test_security_check_catches_exposures(rule):
+    cfg = load("cluster.yaml")
+    cfg["provider"]["security_group"]["IpPermissions"] = [rule]
+    assert exposures(cfg)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_dashboard_binds_localhost_only(name):
+    cfg = load(name)
+    [(cmd, opts)] = ray_starts(cfg, "head_start_ray_commands")
+    assert opts.get("--dashboard-host") == "127.0.0.1", cmd
+    assert opts.get("--dashboard-port", "8265") == "8265"
+    assert "--ray-client-server-port" not in opts
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_mlflow_server_on_the_head(name):
+    cfg = load(name)
+    [(cmd, opts)] = mlflow_servers(cfg)
+    assert cmd in cfg["head_start_ray_commands"], "the tracking server runs on the head"
+    assert re.search(r"&\s*echo \$! >", cmd), "started in the background, pid recorded"
+    assert opts["--backend-store-uri"].startswith("sqlite:////") or opts["--backend-store-uri"].startswith(
+        "sqlite:///$HOME/")
+    assert opts.get("--artifacts-destination")
+    assert opts.get("--port") == "5000"
+    assert "--disable-security-middleware" not in opts
+    assert opts.get("--allowed-hosts") not in ("*",) and opts.get("--cors-allowed-origins") not in ("*",)
+    host = opts.get("--host", "127.0.0.1")
+    if cfg["provider"]["type"] == "local":
+        # Machines of ours may carry public interfaces: bind the private address only.
+        assert host == cfg["provider"]["head_ip"]
+    else:
+        # On EC2 the NIC carries only the private address; the security group is the gate (above).
+        assert host in ("0.0.0.0", "127.0.0.1")
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_token_auth_reaches_every_node(name):
+    cfg = load(name)
+    assert cfg["file_mounts"].get("~/.ray/auth_token") == "~/.ray/auth_token"
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        [(cmd, _)] = ray_starts(cfg, key)
+        assert re.search(r"RAY_AUTH_MODE=token\b.*ray start", cmd), cmd
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_jobs_log_to_the_head_mlflow_server(name):
+    cfg = load(name)
+    [(head_cmd, _)] = ray_starts(cfg, "head_start_ray_commands")
+    [(worker_cmd, _)] = ray_starts(cfg, "worker_start_ray_commands")
+    uri = re.compile(r"MLFLOW_TRACKING_URI=http://(.+?):5000\b.*ray start")
+    head_host = uri.search(head_cmd).group(1)
+    assert uri.search(worker_cmd).group(1) == "$RAY_HEAD_IP"
+    if cfg["provider"]["type"] == "local":
+        assert head_host == cfg["provider"]["head_ip"]
