@@ -7,7 +7,7 @@ import ray
 
 @ray.remote
 class ClientActor:
-    def __init__(self, cfg, model_spec, task, x, y, client_data: dict, initial):
+    def __init__(self, cfg, model_spec, task, x, y, client_data: dict, initial, holdout=None):
         import torch
 
         from rayfl.algorithms import get_algorithm
@@ -17,7 +17,7 @@ class ClientActor:
         self.gpu_ids = [str(g) for g in ray.get_gpu_ids()]
         device = "cuda" if self.gpu_ids and torch.cuda.is_available() else "cpu"
         self.host = ClientHost(cfg, get_algorithm(cfg.algo), model_spec, task, x, y, client_data, initial,
-                               device=device, share=ray.put, resolve=ray.get)
+                               device=device, share=ray.put, resolve=ray.get, holdout=holdout)
 
     def run(self, step: str, items: list) -> list:
         return self.host.run(step, items)

@@ -39,25 +39,34 @@ class DriverActor:
         self.resources, self.tracking, self.checkpoint_dir = resources, tracking, checkpoint_dir
         self.actor_options = actor_options
         self.queue = RoundQueue()
+        self.loop = None
 
     def run(self) -> dict:
         from actors.runtime import RayRuntime
-        from rayfl.loop import Loop
+        from rayfl.loop import Loop, RunStopped
         from rayfl.tracking import MlflowTracker
 
         scheduling = (lambda i: self.actor_options[i]) if self.actor_options else None
         runtime = RayRuntime(self.prepared, self.x_ref[0], self.y_ref[0], self.resources, scheduling)
         tracker = MlflowTracker(**self.tracking)
-        loop = Loop(self.prepared, runtime, [tracker, self.queue], self.checkpoint_dir)
+        loop = self.loop = Loop(self.prepared, runtime, [tracker, self.queue], self.checkpoint_dir)
         try:
             loop.run()
+        except RunStopped:
+            tracker.fail("KILLED")
+            raise
         except BaseException:
             tracker.fail()
             raise
         finally:
             runtime.shutdown()
         return {"final": loop.final, "history": loop.history, "per_client": loop.last_eval,
-                "run_id": tracker.run_id, "placement": None}
+                "run_id": tracker.run_id}
 
     def poll(self) -> list[dict]:
         return self.queue.drain()
+
+    def stop(self) -> None:
+        """Ask the loop to end before its next round (the run is closed as KILLED, checkpoints kept)."""
+        if self.loop is not None:
+            self.loop.stop_requested = True

@@ -14,7 +14,8 @@ from rayfl.runtime import assign_hosts
 
 def launch(prepared, tracking: dict, checkpoint_dir: str | None = None,
            on_round: Callable[[dict], None] | None = None, resources=None, driver_options: dict | None = None,
-           actor_options: list[dict] | None = None, poll_seconds: float = 0.25) -> dict:
+           actor_options: list[dict] | None = None, poll_seconds: float = 0.25,
+           stop_grace_seconds: float = 30.0) -> dict:
     """Run ``prepared`` on the connected Ray cluster; ``on_round`` sees each round's record."""
     cfg = prepared.cfg
     n_actors = len(assign_hosts(cfg.clients, cfg.clients_per_actor))
@@ -35,5 +36,10 @@ def launch(prepared, tracking: dict, checkpoint_dir: str | None = None,
                     on_round(rec)
             if ready:
                 return ray.get(done)
+    except BaseException:
+        # Interrupted here (Ctrl-C, a failing callback): let the driver close its MLflow run cleanly.
+        driver.stop.remote()
+        ray.wait([done], timeout=stop_grace_seconds)
+        raise
     finally:
         ray.kill(driver)

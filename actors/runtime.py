@@ -20,7 +20,7 @@ class RayRuntime:
         self.actors = [
             ClientActor.options(**resources.options(), **(scheduling(h) if scheduling else {})).remote(
                 cfg, prepared.model_spec, prepared.info.task, x_ref, y_ref,
-                {c: fed.clients[c] for c in block}, initial_ref)
+                {c: fed.clients[c] for c in block}, initial_ref, fed.holdout)
             for h, block in enumerate(blocks)
         ]
 

@@ -15,6 +15,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from rayfl import training
 from rayfl.client import Client, TrainSettings
 
 
@@ -35,12 +36,13 @@ class ModelSpec:
 class ClientHost:
     def __init__(self, cfg, algorithm, model_spec: ModelSpec, task: str, x, y, client_data: dict,
                  initial: np.ndarray, device: str = "cpu", share: Callable = lambda v: v,
-                 resolve: Callable[[list], list] = lambda hs: list(hs)):
+                 resolve: Callable[[list], list] = lambda hs: list(hs), holdout: np.ndarray | None = None):
         from rayfl.data import materialize
 
         torch.set_num_threads(cfg.torch_threads)
         self.device = device
         self.resolve = resolve
+        self._holdout_cache: dict = {}  # transform -> the "global" split, shared by this host's clients
         self.logic = algorithm.ClientLogic(algorithm.make_params(cfg.params))
         settings = TrainSettings.from_config(cfg, task)
         self.clients: dict[int, Client] = {}
@@ -48,8 +50,36 @@ class ClientHost:
             torch.manual_seed(cfg.seed)  # initial weights come from `initial`; this seeds anything else
             client = Client(cid, materialize(x, y, cd, device), model_spec.build, initial, settings,
                             cfg.seed, device, share, cd.group)
+            if holdout is not None and len(holdout) and getattr(self.logic, "uses_holdout", False):
+                client.splits["global"] = self._holdout(x, y, holdout, cd, device)
             self.logic.init_client(client)
             self.clients[cid] = client
+        self._warm_up(next(iter(self.clients.values())))
+
+    def _holdout(self, x, y, holdout: np.ndarray, cd, device: str) -> tuple:
+        """The balanced global test set (Federation.holdout) as a "global" split, under the client's evaluation
+        transform; materialized once per host and transform, for algorithms whose ClientLogic sets
+        ``uses_holdout`` (FedMoE's global test accuracy, spec 001 §8)."""
+        from rayfl.data import ClientData, materialize
+
+        cache = self._holdout_cache
+        key = repr(cd.transform.get("eval", {k: v for k, v in cd.transform.items() if k != "eval"}))
+        if key not in cache:
+            empty = holdout[:0]
+            cache[key] = materialize(x, y, ClientData(empty, empty, holdout, None, cd.transform), device)["test"]
+        return cache[key]
+
+    @staticmethod
+    def _warm_up(client: Client) -> None:
+        """One throwaway training step, so torch's lazy first-use work (about a second per process)
+        is paid at start-up and not counted in the first round's time."""
+        import copy
+
+        model = copy.deepcopy(client.model)
+        x, y = client.splits["train"]
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        training.train_epochs(model, x[:2], y[:2], 1, 2, opt, training.loss_fn_for(client.settings.task),
+                              torch.Generator().manual_seed(0))
 
     def run(self, step: str, items: list[tuple[int, dict]]) -> list[dict]:
         """Run ``step_<step>`` for each (client id, message); one batched fetch of every named model."""

@@ -19,6 +19,10 @@ import numpy as np
 from rayfl.metrics import round_summary
 
 
+class RunStopped(Exception):
+    """The submitter asked the run to stop (Ctrl-C, a Tune scheduler): it ends between two rounds."""
+
+
 class Callback:
     """Hooks the loop calls; tracking, Tune reporting and progress display are callbacks."""
 
@@ -52,6 +56,7 @@ class Loop:
         self.setup_metrics: dict = {}
         self.start_step = 0
         self.call_seconds = 0.0
+        self.stop_requested = False
 
     # --- pieces ---------------------------------------------------------------------------------
     def call(self, step: str, messages: dict[int, dict]) -> dict[int, dict]:
@@ -90,6 +95,8 @@ class Loop:
             self.setup_metrics = self.server.setup(self.call) or {}
         schedule = self.schedule()
         for step, stage in schedule[self.start_step:]:
+            if self.stop_requested:
+                raise RunStopped(f"stopped on request before round {step}")
             participants = self.sample(stage)
             self.call_seconds = 0.0
             t0 = time.perf_counter()

@@ -56,7 +56,7 @@ class LocalRuntime:
         self.host_of = {c: h for h, block in enumerate(blocks) for c in block}
         self.hosts = [ClientHost(cfg, prepared.algorithm, prepared.model_spec, prepared.info.task,
                                  prepared.dataset.x, prepared.dataset.y, {c: fed.clients[c] for c in block},
-                                 prepared.initial, share=_frozen)
+                                 prepared.initial, share=_frozen, holdout=fed.holdout)
                       for block in blocks]
 
     def call(self, step, messages):

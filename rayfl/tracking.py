@@ -152,9 +152,9 @@ class MlflowTracker(Callback):
         mlflow.log_metrics({f"final_{k}": v for k, v in numeric(loop.final).items()})
         mlflow.end_run()
 
-    def fail(self) -> None:
-        """Close the run as FAILED, keeping everything logged so far."""
+    def fail(self, status: str = "FAILED") -> None:
+        """Close the run as FAILED (or KILLED when stopped on request), keeping all logged so far."""
         import mlflow
 
         if mlflow.active_run() is not None:
-            mlflow.end_run(status="FAILED")
+            mlflow.end_run(status=status)

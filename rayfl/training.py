@@ -28,6 +28,9 @@ def load_vector(model: nn.Module, vec: np.ndarray) -> nn.Module:
     with warnings.catch_warnings():  # object-store arrays are read-only; we only read them
         warnings.simplefilter("ignore", UserWarning)
         src = torch.as_tensor(np.asarray(vec))
+    needed = sum(t.numel() for t in model.state_dict().values() if t.is_floating_point())
+    if needed != src.numel():
+        raise ValueError(f"weight vector has {src.numel()} values, model needs {needed}")
     offset = 0
     with torch.no_grad():
         for t in model.state_dict().values():
@@ -36,8 +39,6 @@ def load_vector(model: nn.Module, vec: np.ndarray) -> nn.Module:
             n = t.numel()
             t.copy_(src[offset:offset + n].view_as(t))
             offset += n
-    if offset != src.numel():
-        raise ValueError(f"weight vector has {src.numel()} values, model needs {offset}")
     return model
 
 

@@ -1,0 +1,330 @@
+"""PersFL (Divi, Farrukh, Celik; spec ../shared/specs/004_persfl.md): distillation from each client's best
+FedAvg round.
+
+Stage 1 ("fedavg") is FedAvg itself (the baselines' server and client, reused). Every client also checks
+each global model it receives on its own validation split and keeps the one with the lowest cross-entropy as
+its *teacher* O_k, replacing it only on strict improvement (Eq. 2, Algorithm 1 lines 1-11; per client, spec
+pitfall §6.1). The candidates are the copies received at the start of rounds 1..E_G (round 1's is the initial
+model, spec §6.2) plus the final aggregate, checked at the start of stage 2 [spec: INFERRED]; the recorded
+``teacher_round`` is the number of aggregations the teacher had seen (0 = initial model, E_G = final).
+
+Stage 2 ("distill", one round, no communication but the teacher bookkeeping): per client and per grid point
+(λ, T), the student starts as a copy of the teacher and trains on the client's training split on
+
+    (1-λ)·CE(y, A(x)) + λ·T²·KL(softmax(O(x)/T) || softmax(A(x)/T))          (Eq. 3 / Algorithm 1)
+
+with O frozen (its logits computed once, in eval mode). The grid point with the best *validation* accuracy
+is kept (ties: lower validation loss, then the first point in (λ, T) order; the test split is never read).
+``variant="gd"`` uses Eq. 7's cross-entropy soft loss instead of KL; ``teacher="final"`` distils from the
+final FedAvg model (the Table 4 ablation).
+
+Choices where the paper is silent (written down as the brief asks):
+- KL direction: teacher first. Eq. 3 and Eq. 7 write the *prediction first, target second*
+  (``L_cross(σ(A(x)), y)``), so Eq. 3's ``KL(σ(A/T), σ(O/T))`` reads, in that convention, as the target σ(O/T)
+  against the prediction, i.e. KL(teacher || student), as Algorithm 1 and the prose say. The KL is summed over
+  classes and averaged over the batch ("batchmean", spec pitfall §6.5). The GD variant then has the same
+  gradients (CE = KL + H(teacher)); only the reported loss value differs.
+- Grid default: λ ∈ {0, .25, .5, .75, 1}, T ∈ {1, 5, 9, ..., 25} (inferred from Table 5, spec §2.2). An empty
+  grid means "use the single ``lam`` / ``T``" (a Tune trial sets lam, T and ``lam_grid=() T_grid=()``).
+- Every grid point restarts from the teacher with the same batch order (a generator seeded by (seed, client),
+  independent of stage 1), so one grid point run alone (a Tune trial) equals that point inside the grid, and a
+  run that loads stage 1 from ``stage1_cache`` gives exactly the stage 2 of a run that computed it.
+- ``distill_epochs=0`` means the run's ``local_epochs`` (Algorithm 1 loops E_L epochs in stage 2); the
+  optimizer and learning rate are the run's.
+- Non-participants of a stage-1 round (participation < 1; the paper has full participation) still receive the
+  global model to check it as a teacher candidate, so every client tracks every round.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import torch
+import torch.nn.functional as F
+
+from rayfl.algorithms.base import Algorithm, Stage
+from rayfl.algorithms.baselines import FedAvgClient, FedAvgServer, weighted_mean
+from rayfl import training
+
+VARIANTS = ("sgd", "gd")  # sgd: PersFL's KL soft loss (Eq. 3, trained by plain SGD); gd: PersFL-GD (Eq. 7)
+TEACHERS = ("best", "final")
+CACHE_FILE = "persfl_stage1.npz"
+LAM_GRID = (0.0, 0.25, 0.5, 0.75, 1.0)  # spec §2.2 (inferred from Table 5)
+T_GRID = (1.0, 5.0, 9.0, 13.0, 17.0, 21.0, 25.0)  # spec §2.2 (inferred from Table 5)
+
+
+@dataclass
+class PersFLParams:
+    lam: float = 0.5  # imitation parameter λ, used when lam_grid is empty
+    T: float = 1.0  # temperature, used when T_grid is empty
+    lam_grid: tuple = LAM_GRID  # per-client grid over λ, selected on validation; () = use lam
+    T_grid: tuple = T_GRID  # per-client grid over T, selected on validation; () = use T
+    distill_epochs: int = 0  # epochs per grid point in stage 2; 0 = the run's local_epochs (Algorithm 1: E_L)
+    variant: str = "sgd"  # sgd: KL soft loss (Eq. 3); gd: cross-entropy soft loss (Eq. 7)
+    teacher: str = "best"  # best: each client's optimal round (Eq. 2); final: the last FedAvg model (Table 4)
+    stage1_cache: str = ""  # directory: stage 1's teachers are written there, or read from there if present
+
+    def grid(self) -> list[tuple[float, float]]:
+        """(λ, T) points in the order ties are broken: λ outer, T inner, as given (spec pitfall §6.7)."""
+        return [(float(lam), float(t)) for lam in (self.lam_grid or (self.lam,)) for t in (self.T_grid or (self.T,))]
+
+    def check(self, n_clients: int) -> None:
+        for lam in (self.lam, *self.lam_grid):
+            if not 0 <= lam <= 1:
+                raise ValueError(f"lam={lam}: λ must be in [0, 1] (lam and every lam_grid value)")
+        for t in (self.T, *self.T_grid):
+            if not t > 0:
+                raise ValueError(f"T={t}: the temperature must be > 0 (T and every T_grid value)")
+        if self.distill_epochs < 0:
+            raise ValueError(f"distill_epochs={self.distill_epochs}: must be >= 0 (0 = the run's local_epochs)")
+        if self.variant not in VARIANTS:
+            raise ValueError(f"variant={self.variant!r}: allowed: {', '.join(VARIANTS)}")
+        if self.teacher not in TEACHERS:
+            raise ValueError(f"teacher={self.teacher!r}: allowed: {', '.join(TEACHERS)}")
+        if self.stage1_cache and os.path.exists(self.stage1_cache) and not os.path.isdir(self.stage1_cache):
+            raise ValueError(f"stage1_cache={self.stage1_cache!r}: exists and is not a directory")
+
+
+# ------------------------------------------------------------------------------------------- the math
+
+def distill_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, y: torch.Tensor, lam: float,
+                 T: float, variant: str = "sgd") -> torch.Tensor:
+    """(1-λ)·CE(y, A) + λ·T²·soft, soft = KL(σ(O/T) || σ(A/T)) (Eq. 3) or CE(σ(O/T), σ(A/T)) (Eq. 7 "gd").
+
+    Both on logits (spec pitfall §6.3); KL summed over classes, averaged over the batch (pitfall §6.5)."""
+    hard = F.cross_entropy(student_logits, y)
+    if lam == 0:
+        return hard
+    log_ps = F.log_softmax(student_logits / T, dim=1)
+    pt = F.softmax(teacher_logits.detach() / T, dim=1)
+    if variant == "gd":
+        soft = -(pt * log_ps).sum(dim=1).mean()  # Eq. 7: cross-entropy against the teacher's soft labels
+    else:
+        soft = F.kl_div(log_ps, pt, reduction="batchmean")  # Eq. 3: KL(teacher || student)
+    return (1 - lam) * hard + lam * T * T * soft  # T² keeps the soft gradients' scale (Sec. 4, Hinton)
+
+
+def better(score: tuple[float, float], best: tuple[float, float] | None) -> bool:
+    """Grid selection on validation: higher accuracy, then lower loss; strict, so the first point wins ties."""
+    if best is None:
+        return True
+    acc, loss = score
+    best_acc, best_loss = best
+    return acc > best_acc or (acc == best_acc and loss < best_loss)
+
+
+def stage2_generator(seed: int, cid: int) -> torch.Generator:
+    """Batch order of stage 2: from (seed, client) only, so it does not depend on what stage 1 consumed."""
+    state = np.random.SeedSequence([seed, cid, 0xD157]).generate_state(2, dtype=np.uint32)
+    return torch.Generator().manual_seed(int(state[0]) << 32 | int(state[1]))
+
+
+def distill(student, x, y, teacher_logits, lam, T, variant, epochs, batch_size, optimizer, gen) -> float:
+    """Minibatch SGD of the student on the distillation loss (Algorithm 1 lines 12-25); last epoch's mean loss."""
+    student.train()
+    n = x.shape[0]
+    last = float("nan")
+    for _ in range(epochs):
+        order = torch.randperm(n, generator=gen).to(x.device)
+        total = 0.0
+        for start in range(0, n, batch_size):
+            idx = order[start:start + batch_size]
+            optimizer.zero_grad(set_to_none=True)
+            loss = distill_loss(student(x[idx]), teacher_logits[idx], y[idx], lam, T, variant)
+            loss.backward()
+            optimizer.step()
+            total += loss.item() * idx.numel()
+        last = total / max(n, 1)
+    return last
+
+
+# ------------------------------------------------------------------------------------------- stage-1 cache
+
+def write_cache(path: str, teachers: np.ndarray, rounds: np.ndarray, losses: np.ndarray, final: np.ndarray,
+                meta: dict) -> None:
+    """Atomically (tmp + rename), so a parallel trial never reads half a file."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    buf = io.BytesIO()
+    np.savez(buf, teachers=teachers, teacher_round=rounds, teacher_loss=losses, final=final,
+             **{f"meta_{k}": np.asarray(v) for k, v in meta.items()})
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(buf.getvalue())
+    os.replace(tmp, path)
+
+
+def read_cache(path: str, meta: dict) -> dict:
+    with np.load(path) as z:
+        data = {k: z[k] for k in z.files}
+    for k, v in meta.items():
+        if f"meta_{k}" not in data or data[f"meta_{k}"].item() != v:
+            got = data[f"meta_{k}"].item() if f"meta_{k}" in data else "missing"
+            raise ValueError(f"stage1_cache: {path} was written for {k}={got}, this run has {k}={v}; "
+                             f"use a cache directory keyed by the whole config")
+    return data
+
+
+# ------------------------------------------------------------------------------------------- driver
+
+class PersFLServer(FedAvgServer):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.cache_path = os.path.join(self.params.stage1_cache, CACHE_FILE) if self.params.stage1_cache else None
+        self.cached = None
+        if self.cache_path and os.path.isfile(self.cache_path):
+            self.cached = read_cache(self.cache_path, self.meta())
+            self.global_ref = self.put(self.cached["final"])
+        self.table: pd.DataFrame | None = None
+        self.grid_table: pd.DataFrame | None = None
+
+    def meta(self) -> dict:
+        """What must match for a cached stage 1 to be this run's (the directory is keyed by the rest)."""
+        i = self.info
+        return {"n_clients": i.n_clients, "n_params": i.n_params, "seed": i.seed, "rounds": i.rounds}
+
+    def stages(self):
+        distill = Stage("distill", 1, sample=False)
+        return [distill] if self.cached is not None else [Stage("fedavg", self.info.rounds), distill]
+
+    def run_round(self, stage, rnd, participants, call):
+        if stage.name == "fedavg":
+            return self.fedavg_round(rnd, participants, call)
+        return self.distill_round(call)
+
+    def fedavg_round(self, rnd, participants, call):
+        """FedAvg; every client also checks the global it receives as a teacher candidate (Alg. 1 l. 3-9)."""
+        chosen = set(participants)
+        ups = call("train", {c: {"models": {"global": self.global_ref}, "round": rnd, "train": c in chosen}
+                             for c in range(self.info.n_clients)})
+        trained = {c: u for c, u in ups.items() if c in chosen}
+        self.average(trained)
+        return {"train_loss": weighted_mean(trained, "train_loss")}
+
+    def distill_round(self, call):
+        cids = list(range(self.info.n_clients))
+        if self.cached is None:  # the final aggregate is the last teacher candidate
+            share = self.cache_path is not None
+            ups = call("select_teacher", {c: {"models": {"global": self.global_ref}, "round": self.info.rounds,
+                                              "share": share} for c in cids})
+            if share:
+                write_cache(self.cache_path, np.stack(self.get([ups[c]["teacher"] for c in cids])),
+                            np.array([ups[c]["teacher_round"] for c in cids]),
+                            np.array([ups[c]["teacher_loss"] for c in cids]),
+                            self.get([self.global_ref])[0], self.meta())
+        else:
+            z = self.cached
+            call("set_teacher", {c: {"models": {"teacher": self.put(z["teachers"][c]), "global": self.global_ref},
+                                     "round": int(z["teacher_round"][c]), "loss": float(z["teacher_loss"][c])}
+                                 for c in cids})
+        ups = call("distill", {c: {"seed": self.info.seed} for c in cids})
+        self.table = pd.DataFrame([{"client": c, "teacher_round": ups[c]["teacher_round"],
+                                    "teacher_val_loss": ups[c]["teacher_loss"], "lam": ups[c]["lam"],
+                                    "T": ups[c]["T"], "val_acc": ups[c]["val_acc"], "val_loss": ups[c]["val_loss"]}
+                                   for c in cids])
+        self.grid_table = pd.DataFrame([{"client": c, "lam": g[0], "T": g[1], "val_acc": g[2], "val_loss": g[3]}
+                                        for c in cids for g in ups[c]["grid"]])
+        return {"train_loss": weighted_mean(ups, "train_loss"), "stage1_from_cache": float(self.cached is not None),
+                "teacher_round_mean": float(self.table.teacher_round.mean()),
+                "lam_mean": float(self.table.lam.mean()), "T_mean": float(self.table["T"].mean())}
+
+    def eval_messages(self, stage, rnd, cids):
+        return super().eval_messages(stage, rnd, cids) if stage.name == "fedavg" else {c: {} for c in cids}
+
+    def artifacts(self):
+        out = {}
+        if self.table is not None:
+            out["persfl_clients"] = self.table
+            out["persfl_grid"] = self.grid_table
+        return out
+
+    def state_dict(self):
+        return {**super().state_dict(), "table": self.table, "grid_table": self.grid_table}
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        self.table, self.grid_table = state.get("table"), state.get("grid_table")
+
+
+# ------------------------------------------------------------------------------------------- client
+
+class PersFLClient(FedAvgClient):
+    def __init__(self, params):
+        super().__init__(params)
+        self._scratch = None  # one spare model per host, for checking teacher candidates
+
+    def init_client(self, client):
+        if client.settings.task != "classification":
+            raise ValueError("persfl: distillation needs class logits; the task is regression")
+        if client.n("val") == 0:
+            raise ValueError(f"persfl: client {client.cid} has no validation data; teachers and (λ, T) are "
+                             f"chosen on each client's validation split, so val_frac must be > 0")
+        client.state.update(teacher=None, teacher_round=-1, teacher_loss=float("inf"))
+
+    def track(self, client, vec: np.ndarray, rnd: int) -> None:
+        """Keep ``vec`` as the teacher if its validation loss is strictly lower (Eq. 2, Alg. 1 l. 6-8)."""
+        if self._scratch is None:
+            self._scratch = client.new_model()
+        loss = client.loss(client.load(vec, self._scratch), "val")
+        if loss < client.state["teacher_loss"]:
+            client.state.update(teacher=np.array(vec, dtype=np.float32), teacher_round=int(rnd), teacher_loss=loss)
+
+    def step_train(self, client, msg, models):
+        self.track(client, models["global"], msg["round"])
+        return super().step_train(client, msg, models) if msg.get("train", True) else {}
+
+    def step_select_teacher(self, client, msg, models):
+        self.track(client, models["global"], msg["round"])
+        if self.params.teacher == "final":
+            client.state["final"] = np.array(models["global"], dtype=np.float32)
+        up = {"teacher_round": client.state["teacher_round"], "teacher_loss": client.state["teacher_loss"]}
+        if msg.get("share"):
+            up["teacher"] = client.share(client.state["teacher"])
+        return up
+
+    def step_set_teacher(self, client, msg, models):
+        """Stage 1 read from the cache: the teacher (and the final global) arrive instead of being found."""
+        client.state.update(teacher=np.array(models["teacher"], dtype=np.float32), teacher_round=int(msg["round"]),
+                            teacher_loss=float(msg["loss"]))
+        if self.params.teacher == "final":
+            client.state["final"] = np.array(models["global"], dtype=np.float32)
+        return {}
+
+    def step_distill(self, client, msg, models):
+        """Per (λ, T): student := teacher, distil on train, score on val; keep the best (Eq. 3, spec §1.9)."""
+        p, s = self.params, client.settings
+        source = client.state["teacher"] if p.teacher == "best" else client.state["final"]
+        teacher = client.new_model(source)
+        x, y = client.splits["train"]
+        with torch.no_grad():
+            teacher.eval()
+            t_logits = torch.cat([teacher(x[i:i + 1024]) for i in range(0, x.shape[0], 1024)]) if x.shape[0] \
+                else torch.zeros(0)
+        epochs = p.distill_epochs or s.local_epochs
+        best, best_score, best_point, best_loss, grid, lam0 = None, None, None, float("nan"), [], None
+        for lam, T in p.grid():
+            if lam == 0 and lam0 is not None:  # λ = 0: T plays no role, same batches -> the same model
+                grid.append([lam, T, *lam0])
+                continue
+            student = client.new_model(source)
+            opt = training.make_optimizer(student.parameters(), s.optimizer, s.lr, s.momentum, s.weight_decay)
+            train_loss = distill(student, x, y, t_logits, lam, T, p.variant, epochs, s.batch_size, opt,
+                                 stage2_generator(int(msg["seed"]), client.cid))
+            val_loss, val_acc = training.evaluate(student, *client.splits["val"], s.task)
+            grid.append([lam, T, val_acc, val_loss])
+            if lam == 0:
+                lam0 = (val_acc, val_loss)
+            if better((val_acc, val_loss), best_score):
+                best, best_score, best_point, best_loss = client.vector(student), (val_acc, val_loss), (lam, T), \
+                    train_loss
+        client.load(best)
+        return {"lam": best_point[0], "T": best_point[1], "val_acc": best_score[0], "val_loss": best_score[1],
+                "teacher_round": client.state["teacher_round"], "teacher_loss": client.state["teacher_loss"],
+                "train_loss": best_loss, "n": int(x.shape[0]), "grid": grid}
+
+
+ALGORITHMS = [Algorithm("persfl", PersFLParams, PersFLServer, PersFLClient,
+                        "FedAvg, then distillation from each client's best FedAvg round (Divi et al.)")]

@@ -1,0 +1,128 @@
+"""Ray-free unit tests of the core's math: weight vectors, averaging, the summary across clients,
+host assignment, resources and config checks."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from actors.resources import plan_actor_resources
+from rayfl.config import UserError, make_config
+from rayfl.metrics import round_summary, summarize
+from rayfl.models import build_model
+from rayfl.runtime import assign_hosts, group_by_host
+from rayfl.training import load_vector, to_vector, weighted_average
+
+
+def test_vector_round_trip_is_exact():
+    torch.manual_seed(0)
+    a, b = build_model("mlp-small", (1, 8, 8), 10), build_model("mlp-small", (1, 8, 8), 10)
+    v = to_vector(a)
+    assert v.dtype == np.float32 and v.size == sum(p.numel() for p in a.parameters())
+    load_vector(b, v)
+    np.testing.assert_array_equal(to_vector(b), v)
+    with pytest.raises(ValueError):
+        load_vector(b, v[:-1])
+
+
+def test_weighted_average_by_hand():
+    v1, v2 = np.array([1.0, 0.0], np.float32), np.array([4.0, 3.0], np.float32)
+    np.testing.assert_allclose(weighted_average([v1, v2], [1, 2]), [3.0, 2.0])
+    np.testing.assert_allclose(weighted_average([v1, v2], [5, 5]), [2.5, 1.5])
+    with pytest.raises(ValueError):
+        weighted_average([v1], [0])
+
+
+def test_summary_by_hand():
+    s = summarize([0.5, 1.0, 0.75, 0.25], weights=[1, 1, 2, 4])
+    assert s["mean"] == pytest.approx(0.625)
+    assert s["weighted_mean"] == pytest.approx((0.5 + 1.0 + 1.5 + 1.0) / 8)
+    assert s["std"] == pytest.approx(np.std([0.5, 1.0, 0.75, 0.25], ddof=1))
+    assert s["worst"] == 0.25
+    assert s["bottom10_mean"] == 0.25  # ceil(10% of 4) = 1 client
+    losses = summarize([0.1, 0.9, 0.5], higher_is_better=False)
+    assert losses["worst"] == 0.9 and losses["bottom10_mean"] == 0.9
+
+
+def test_bottom10_uses_ceil_of_tenth_of_clients():
+    vals = list(np.linspace(0, 1, 20))  # 2 clients make the bottom 10%
+    assert summarize(vals)["bottom10_mean"] == pytest.approx((vals[0] + vals[1]) / 2)
+
+
+def test_summary_leaves_out_empty_splits():
+    s = summarize([0.5, float("nan"), 1.0])
+    assert s["mean"] == 0.75 and s["worst"] == 0.5
+
+
+def test_round_summary_keys():
+    per_client = {0: {"test_acc": 1.0, "test_loss": 0.1, "n_test": 10, "val_acc": 0.5, "val_loss": 1.0, "n_val": 5},
+                  1: {"test_acc": 0.0, "test_loss": 2.0, "n_test": 30, "val_acc": 0.5, "val_loss": 1.0, "n_val": 5}}
+    out = round_summary(per_client)
+    assert out["test_acc_mean"] == 0.5
+    assert out["test_acc_weighted_mean"] == pytest.approx(0.25)
+    assert out["test_loss_worst"] == 2.0
+    assert out["val_acc_std"] == 0.0
+
+
+def test_assign_hosts_and_grouping():
+    assert assign_hosts(5, 2) == [[0, 1], [2, 3], [4]]
+    assert assign_hosts(3, 1) == [[0], [1], [2]]
+    host_of = {0: 0, 1: 0, 2: 1}
+    assert group_by_host({2: "c", 0: "a"}, host_of) == {0: [(0, "a")], 1: [(2, "c")]}
+
+
+def test_resources_share_the_cluster():
+    cfg = make_config(None, {"clients": 8})
+    r = plan_actor_resources(cfg, 8, {"CPU": 2.0})
+    assert r.num_gpus == 0 and 0 < r.num_cpus * 8 <= 2.0
+    g = plan_actor_resources(cfg, 8, {"CPU": 16.0, "GPU": 2.0})
+    assert g.num_gpus == pytest.approx(0.25) and g.num_cpus == 1.0  # torch_threads caps CPUs
+    fixed = plan_actor_resources(make_config(None, {"gpus_per_actor": 0.5, "cpus_per_actor": 0.3}), 8, {"CPU": 2})
+    assert (fixed.num_cpus, fixed.num_gpus) == (0.3, 0.5)
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    ({"algo": "fedsgd"}, "algo='fedsgd': unknown; allowed:"),
+    ({"dataset": "imagenet"}, "dataset='imagenet': unknown"),
+    ({"partition": "zipf"}, "partition='zipf': unknown"),
+    ({"model": "resnet"}, "model='resnet': unknown"),
+    ({"clients": 0}, "clients=0: must be an integer >= 1"),
+    ({"rounds": 0}, "rounds=0"),
+    ({"participation": 0}, "participation=0"),
+    ({"participation": 1.5}, "participation=1.5: must be in (0, 1]"),
+    ({"val_frac": 1.2}, "val_frac=1.2"),
+    ({"val_frac": 0.5, "test_frac": 0.5}, "val_frac + test_frac"),
+    ({"data_root": "/no/such/dir"}, "data_root='/no/such/dir': no such directory"),
+    ({"params": {"nope": 1}}, "unknown parameter 'nope'"),
+    ({"lr": -1}, "lr=-1"),
+])
+def test_config_errors_name_the_value(overrides, fragment):
+    with pytest.raises(UserError) as e:
+        make_config(None, overrides).check()
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+def test_config_file_and_overrides(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("clients: 7\nlr: '0.2'\nparams: {ft_epochs: 2}\nalgo: fedavg-ft\n")
+    cfg = make_config(str(f), {"clients": 5, "params": {"ft_lr": 0.01}})
+    assert (cfg.clients, cfg.lr, cfg.params) == (5, 0.2, {"ft_epochs": 2, "ft_lr": 0.01})
+    cfg.check()
+    flat = cfg.to_flat()
+    assert flat["param.ft_epochs"] == 2 and flat["clients"] == 5 and "params" not in flat
+    f.write_text("clinets: 3\n")
+    with pytest.raises(UserError, match="unknown config key 'clinets'"):
+        make_config(str(f))
+    f.write_text("clients: [1\n")
+    with pytest.raises(UserError, match="not valid YAML"):
+        make_config(str(f))
+    with pytest.raises(UserError, match="rounds='many': expected int"):
+        make_config(None, {"rounds": "many"})
+
+
+def test_nan_free_summary_for_regression():
+    out = round_summary({0: {"test_loss": 0.5, "test_acc": math.nan, "n_test": 3}})
+    assert "test_acc_mean" not in out and out["test_loss_mean"] == 0.5

@@ -1,0 +1,124 @@
+"""FedeRiCo (spec 002): the math on hand-made numbers, and one small federation end to end (LocalRuntime)."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from rayfl.algorithms.federico import FedericoClient, Mixture, Params, ema_update, eps_greedy, posterior
+from rayfl.client import Client, TrainSettings
+
+
+def test_ema_weights_the_new_loss_by_beta_and_leaves_unsampled_entries_stale():
+    L = np.array([1.0, 2.0, 3.0])
+    out = ema_update(L, [0, 2], [0.5, 1.0], beta=0.6)  # L̂ <- 0.4 L̂ + 0.6 l (beta on the NEW loss, P2)
+    assert out == pytest.approx([0.7, 2.0, 1.8])
+    assert L.tolist() == [1.0, 2.0, 3.0]  # input untouched
+
+
+def test_posterior_is_softmax_of_minus_loss():
+    w = posterior(np.array([0.7, 2.0, 1.8]))
+    e = [math.exp(-0.7), math.exp(-2.0), math.exp(-1.8)]  # 0.496585, 0.135335, 0.165299
+    assert w == pytest.approx([v / sum(e) for v in e])
+    assert w == pytest.approx([0.622897, 0.169759, 0.207344], abs=1e-6)
+    assert posterior(np.array([1000.0, 1001.0])) == pytest.approx([1 / (1 + math.exp(-1)), 1 / (1 + math.e)])
+
+
+def test_eps_greedy_counts_under_a_fixed_seed():
+    w = np.array([0.50, 0.30, 0.10, 0.05, 0.03, 0.02])  # client 0 itself has the largest weight
+    rng = np.random.default_rng(0)
+    draws = [eps_greedy(w, 0, 2, 0.25, rng) for _ in range(20000)]
+    assert all(len(set(d)) == 2 and 0 not in d for d in draws)  # M distinct, never itself
+    counts = np.bincount(np.concatenate(draws), minlength=6) / len(draws)
+    # greedy (prob 0.75) takes the top-2 others {1, 2}; uniform (0.25) takes each of the 5 others w.p. 2/5
+    assert counts == pytest.approx([0.0, 0.85, 0.85, 0.10, 0.10, 0.10], abs=0.01)
+    assert np.mean([d == [1, 2] for d in draws]) == pytest.approx(0.75 + 0.25 / 10, abs=0.01)
+    again = np.random.default_rng(0)
+    assert [eps_greedy(w, 0, 2, 0.25, again) for _ in range(20000)] == draws  # seeded: reproducible
+    assert eps_greedy(w, 3, 3, 0.0, rng) == [0, 1, 2]  # ε = 0: pure top-M, self excluded
+    ties = np.bincount(np.concatenate([eps_greedy(np.full(5, 0.2), 4, 1, 0.0, rng) for _ in range(4000)]))
+    assert ties[:4] / 4000 == pytest.approx([0.25] * 4, abs=0.03)  # tied top-M broken at random
+    assert eps_greedy(w, 0, 0, 0.3, rng) == []
+
+
+def test_params_check():
+    Params().check(8)
+    for bad, msg in (({"M": 8}, "M=8"), ({"epsilon": 1.5}, "epsilon=1.5"), ({"beta": 1.0}, "beta=1.0"),
+                     ({"init_losses": "zero"}, "init_losses")):
+        with pytest.raises(ValueError, match=msg):
+            Params(**bad).check(8)
+
+
+def _client(cid, x, y, lr=1.0):
+    """A 1-D linear regression client h(x) = a x + b, full-batch, plain SGD with lr 1 (so Δφ = -G)."""
+    t = lambda v: torch.tensor(v, dtype=torch.float32).view(-1, 1)  # noqa: E731
+    empty = (torch.zeros(0, 1), torch.zeros(0, 1))
+    make = lambda: nn.Sequential(nn.Flatten(), nn.Linear(1, 1))  # noqa: E731
+    settings = TrainSettings("regression", 1, lr, 100, "sgd")
+    return Client(cid, {"train": (t(x), t(y)), "val": empty, "test": empty}, make, None, settings, seed=0)
+
+
+def test_owner_applies_the_column_weighted_gradient_sum():
+    """Eq. 8 / pitfall P1: φ_0 moves by Σ_k w_k0 (n_k/n̄) ∇ mean-loss(φ_0; D_k) — column 0 of W, not row 0."""
+    data = {0: ([1.0, 2.0], [1.0, 2.0]), 1: ([1.0], [3.0]), 2: ([2.0], [0.0])}  # n = 2, 1, 1; n̄ = 4/3
+    W = np.array([[0.5, 0.3, 0.2], [0.6, 0.3, 0.1], [0.1, 0.2, 0.7]])
+    logic = FedericoClient(Params(M=2, epsilon=0.0, beta=0.0))  # β = 0: the hand-made L̂ (so W) stays
+    clients = {}
+    for i, (x, y) in data.items():
+        c = _client(i, x, y)
+        logic.init_client(c)
+        c.load(np.array([1.0, 0.0], dtype=np.float32))  # every φ = (a=1, b=0)
+        c.state.update(L=-np.log(W[i]), w=W[i], K=3, scale=c.n() / (4 / 3))  # softmax(-L) == W[i]
+        clients[i] = c
+    ups = {i: logic.step_estep(c, {}, {"peers": {j: clients[j].vector() for j in range(3) if j != i}})
+           for i, c in clients.items()}
+    # gradients of the mean squared error at (1, 0): D_0 -> (0, 0), D_1 -> (-4, -4), D_2 -> (8, 4)
+    assert ups[1]["grads"][0] == pytest.approx(0.6 * 0.75 * np.array([-4.0, -4.0]))  # w_10 (n_1/n̄) ∇
+    assert ups[2]["grads"][0] == pytest.approx(0.1 * 0.75 * np.array([8.0, 4.0]))
+    logic.step_mstep(clients[0], {}, {"grads": [ups[1]["grads"][0], ups[2]["grads"][0]]})
+    G = 0.5 * 1.5 * np.zeros(2) + 0.6 * 0.75 * np.array([-4, -4]) + 0.1 * 0.75 * np.array([8, 4])  # (-1.2, -1.5)
+    assert clients[0].vector() == pytest.approx(np.array([1.0, 0.0]) - G)  # (2.2, 1.5)
+    row = 0.3 * 0.75 * np.array([-4, -4]) + 0.2 * 0.75 * np.array([8, 4])  # what w_0k would have given
+    assert not np.allclose(clients[0].vector(), np.array([1.0, 0.0]) - row)
+    assert all(ups[i]["next"] == [j for j in range(3) if j != i] for i in range(3))  # M = 2 of 2 others
+
+
+def test_prediction_is_a_mixture_of_probabilities():
+    class Const(nn.Module):
+        def __init__(self, logits):
+            super().__init__()
+            self.logits = torch.tensor(logits)
+
+        def forward(self, x):
+            return self.logits.expand(x.shape[0], -1)
+
+    a, b = Const([0.0, math.log(3.0)]), Const([math.log(3.0), 0.0])  # p = (.25, .75) and (.75, .25)
+    out = Mixture([a, b], [0.8, 0.2], "classification")(torch.zeros(2, 1))
+    assert out.exp()[0].tolist() == pytest.approx([0.8 * 0.25 + 0.2 * 0.75, 0.8 * 0.75 + 0.2 * 0.25])
+    reg = Mixture([Const([2.0]), Const([4.0])], [0.25, 0.75], "regression")(torch.zeros(1, 1))
+    assert reg.item() == pytest.approx(3.5)
+
+
+def test_weights_concentrate_within_label_groups():
+    """6 clients, 2 disjoint label groups: clients of one group share models, clients of different groups
+    almost never do. Measured by co-usage (W Wᵀ), since under Eq. 8 a model may come to serve another group
+    than its owner's (see FedericoServer.weight_metrics)."""
+    from rayfl.config import make_config
+    from rayfl.experiment import prepare
+    from rayfl.loop import Loop
+    from rayfl.runtime import LocalRuntime
+
+    cfg = make_config(None, {"algo": "federico", "dataset": "synthetic", "partition": "label-groups", "groups": 2,
+                             "clients": 6, "rounds": 40, "optimizer": "adam", "lr": 0.01, "eval_every": 40,
+                             "val_frac": 0.0, "params": {"M": 2}})
+    prepared = prepare(cfg)
+    loop = Loop(prepared, LocalRuntime(prepared)).run()
+    W, g = loop.server.W, np.asarray(prepared.info.groups)
+    assert W.shape == (6, 6) and W.sum(1) == pytest.approx(np.ones(6))
+    assert loop.server.round_artifacts(39)["W"].shape == (6, 6) and "W" in loop.server.artifacts()
+    C = W @ W.T
+    same, cross = C[(g[:, None] == g) & ~np.eye(6, dtype=bool)].mean(), C[g[:, None] != g].mean()
+    assert cross < 0.25 * same, (np.round(W, 2), same, cross)
+    assert loop.final["test_acc_weighted_mean"] > 0.9

@@ -1,0 +1,161 @@
+"""FedMoE (spec 001): the mixture's output and both losses on hand-made numbers, the frozen global model,
+early stopping that returns the best epoch, stage-1 opt-out and model selection, and a small end-to-end run."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rayfl.algorithms.base import RunInfo
+from rayfl.algorithms.fedmoe import (FedMoEParams, FedMoEServer, Mixture, fit_early_stopping, make_gate,
+                                     mixture_loss)
+from rayfl.client import Client, TrainSettings
+from rayfl.config import make_config
+from rayfl.experiment import prepare
+from rayfl.loop import Callback, Loop
+from rayfl.runtime import LocalRuntime
+from rayfl.training import evaluate
+
+
+class Const(nn.Module):
+    """Returns the same row for every input (a hand-set expert or gate)."""
+
+    def __init__(self, row):
+        super().__init__()
+        self.row = nn.Parameter(torch.tensor(row, dtype=torch.float64))
+
+    def forward(self, x):
+        return self.row.expand(x.shape[0], -1)
+
+
+def hand_mixture(log_space=False):
+    # p_s = (0.8, 0.2), p_g = (0.3, 0.7), h = 0.25 (gate logit log(0.25 / 0.75))
+    return Mixture(Const([math.log(0.8), math.log(0.2)]), Const([math.log(0.3), math.log(0.7)]),
+                   Const([math.log(0.25 / 0.75)]), log_space)
+
+
+def test_mixture_output_and_paper_loss():
+    mix, x = hand_mixture(), torch.zeros(2, 1)
+    out = mix(x)
+    np.testing.assert_allclose(out.exp().detach(), [[0.425, 0.575]] * 2, rtol=1e-12)  # 0.25 p_s + 0.75 p_g
+    y = torch.tensor([0, 1])
+    expected = -(math.log(0.425) + math.log(0.575)) / 2
+    assert float(mixture_loss(out, y).detach()) == pytest.approx(expected, rel=1e-12)
+    assert float(mix.gate_value(x)[0].detach()) == pytest.approx(0.25)
+    loss, acc = evaluate(mix, x, y, "classification")  # the platform's cross-entropy = NLL of P_mix
+    assert loss == pytest.approx(expected, rel=1e-9) and acc == 0.5
+
+
+def test_mixture_code_loss_is_gate_weighted_cross_entropy():
+    out = hand_mixture(log_space=True)(torch.zeros(1, 1))
+    expected = -(0.25 * math.log(0.8) + 0.75 * math.log(0.3))  # h CE_s + (1-h) CE_g for y = 0
+    assert float(mixture_loss(out, torch.tensor([0])).detach()) == pytest.approx(expected, rel=1e-12)
+
+
+def test_global_model_is_frozen_and_gate_has_one_output():
+    client = tiny_client()
+    mix = Mixture(client.new_model(), client.new_model(), make_gate(client))
+    x, y = client.splits["train"]
+    mixture_loss(mix(x), y).backward()
+    assert all(p.grad is None for p in mix.global_model.parameters())
+    assert all(p.grad is not None for p in mix.specialist.parameters())
+    assert all(p.grad is not None for p in mix.gate.parameters())
+    assert mix.gate(x).shape == (x.shape[0], 1)
+    assert 0 < float(mix.gate_value(x).min()) and float(mix.gate_value(x).max()) < 1
+
+
+def tiny_client(val_label=None):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 4, generator=g)
+    y = (x[:, 0] > 0).long()
+    xv = torch.randn(20, 4, generator=g)
+    yv = (xv[:, 0] > 0).long() if val_label is None else torch.full((20,), val_label)
+    splits = {"train": (x, y), "val": (xv, yv), "test": (xv, yv)}
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    from rayfl.training import to_vector
+
+    settings = TrainSettings("classification", 1, 0.5, 8, "sgd")
+    return Client(0, splits, lambda: nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)),
+                  to_vector(model), settings, seed=0)
+
+
+def test_early_stopping_returns_best_epoch_copy():
+    client = tiny_client(val_label=1)  # validation labels all 1: training on y = [x0 > 0] soon hurts them
+    model = client.new_model(client.vector())
+    val_before = client.loss(model)
+    info = fit_early_stopping(client, model, list(model.parameters()), F.cross_entropy, 30, 3, 0.5)
+    assert info["best_epoch"] < info["epochs"] < 30  # later epochs were worse, and it stopped early
+    assert client.loss(model) == pytest.approx(info["best_val_loss"])  # the best epoch's weights, not the last
+    assert info["best_val_loss"] <= val_before
+    before = client.vector(model)  # from its own best point nothing improves: epoch 0 is returned unchanged
+    info = fit_early_stopping(client, model, list(model.parameters()), F.cross_entropy, 30, 3, 0.5)
+    assert info["best_epoch"] == 0 and info["epochs"] == 3
+    np.testing.assert_array_equal(client.vector(model), before)
+
+
+def test_params_check():
+    FedMoEParams(opt_out=0.9).check(10)
+    for bad, match in (({"opt_out": 1.0}, "opt_out=1.0"), ({"patience": 0}, "patience=0"),
+                       ({"mixture_loss": "x"}, "mixture_loss='x'"), ({"ft_lr": -1.0}, "ft_lr=-1.0")):
+        with pytest.raises(ValueError, match=match):
+            FedMoEParams(**bad).check(10)
+
+
+def test_stage1_opt_out_and_best_validation_selection():
+    info = RunInfo(n_clients=10, rounds=4, participation=0.3, seed=0, n_train=[5] * 10)
+    server = FedMoEServer(FedMoEParams(opt_out=0.5), info, lambda v: v, list, np.random.default_rng(0),
+                          np.zeros(3, np.float32))
+    assert len(server.opt_in) == 5 and server.per_round == 3
+    val_by_round = [0.9, 0.4, 0.6, 0.5]
+    called: list = []
+
+    def call(step, msgs):
+        called.append((step, sorted(msgs)))
+        rnd = sum(1 for s, _ in called if s == "train") - 1
+        if step == "train":
+            return {c: {"weights": np.full(3, rnd + 1, np.float32), "n": 5, "train_loss": 0.0} for c in msgs}
+        return {c: {"val_loss": val_by_round[rnd]} for c in msgs}
+
+    stage = server.stages()[0]
+    for rnd in range(4):
+        server.run_round(stage, rnd, list(range(10)), call)
+    assert all(set(cids) <= set(server.opt_in) and len(cids) == 3 for _, cids in called)
+    np.testing.assert_array_equal(server.selected(), np.full(3, 2.0))  # round 1's model: lowest val loss
+    assert server.best_round == 1 and [s.name for s in server.stages()] == ["fedavg", "specialist", "mixture"]
+
+
+class Keep(Callback):
+    def __init__(self):
+        self.records = {}
+
+    def on_round(self, loop, record):
+        if record.per_client:
+            self.records[record.stage] = record.per_client
+
+
+def test_three_stages_end_to_end_with_global_test_set():
+    cfg = make_config(None, {"algo": "fedmoe", "dataset": "digits", "partition": "majority", "majority": 0.8,
+                             "clients": 4, "rounds": 2, "lr": 0.05, "participation": 0.5,
+                             "params": {"opt_out": 0.5, "specialist_epochs": 3, "gate_epochs": 3, "patience": 2}})
+    p = prepare(cfg)
+    keep = Keep()
+    loop = Loop(p, LocalRuntime(p), [keep]).run()
+    assert [h["stage"] for h in loop.history] == ["fedavg", "fedavg", "specialist", "mixture"]
+    host = loop.runtime.hosts[0]
+    gx, gy = host.clients[0].splits["global"]
+    assert len(gy) == len(p.federation.holdout) and len(set(np.bincount(gy.numpy()).tolist())) == 1  # balanced
+    final = keep.records["mixture"]
+    for rec in final.values():
+        for key in ("test_acc", "global_acc", "fedavg_test_acc", "fedavg_global_acc", "finetuned_test_acc",
+                    "finetuned_global_acc"):
+            assert 0.0 <= rec[key] <= 1.0
+        assert 0.0 < rec["gate_mean"] < 1.0
+    # the stage-2 record is the fine-tuned model the mixture record repeats
+    for c, rec in keep.records["specialist"].items():
+        assert rec["test_acc"] == pytest.approx(final[c]["finetuned_test_acc"])
+    assert len(loop.server.opt_in) == 2
+    assert "test_acc_worst" in loop.final

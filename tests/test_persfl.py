@@ -1,0 +1,213 @@
+"""PersFL (spec 004): the distillation loss against a hand computation, per-client teacher selection, the grid's
+selection on validation (never test), and the stage-1 cache giving the same stage 2 as a run without it."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from rayfl.algorithms import get_algorithm
+from rayfl.algorithms.persfl import PersFLClient, PersFLParams, better, distill_loss
+from rayfl.client import Client, TrainSettings
+from rayfl.config import make_config
+from rayfl.experiment import prepare
+from rayfl.loop import Loop
+from rayfl.runtime import LocalRuntime
+
+
+def softmax(z):
+    e = [math.exp(v - max(z)) for v in z]
+    return [v / sum(e) for v in e]
+
+
+# ------------------------------------------------------------------------------------------- the loss
+
+def test_loss_against_hand_computation():
+    s, t, y, lam, T = [1.0, 2.0, 0.0], [0.0, 1.0, 3.0], 1, 0.25, 2.0
+    ce = -math.log(softmax(s)[y])
+    ps, pt = softmax([v / T for v in s]), softmax([v / T for v in t])
+    kl = sum(q * (math.log(q) - math.log(p)) for p, q in zip(ps, pt))  # KL(teacher || student)
+    expect = (1 - lam) * ce + lam * T * T * kl
+    got = distill_loss(torch.tensor([s]), torch.tensor([t]), torch.tensor([y]), lam, T)
+    assert got.item() == pytest.approx(expect, rel=1e-6)
+    # Eq. 7 ("gd"): cross-entropy of the teacher's soft labels against the student's = KL + H(teacher)
+    h = -sum(q * math.log(q) for q in pt)
+    gd = distill_loss(torch.tensor([s]), torch.tensor([t]), torch.tensor([y]), lam, T, "gd")
+    assert gd.item() == pytest.approx((1 - lam) * ce + lam * T * T * (kl + h), rel=1e-6)
+
+
+def test_loss_averages_over_the_batch_and_vanishes_at_the_teacher():
+    s = torch.tensor([[1.0, 2.0, 0.0], [0.5, -1.0, 2.0]])
+    t = torch.tensor([[0.0, 1.0, 3.0], [2.0, 0.0, 0.0]])
+    y = torch.tensor([1, 2])
+    both = distill_loss(s, t, y, 0.5, 3.0)
+    each = [distill_loss(s[i:i + 1], t[i:i + 1], y[i:i + 1], 0.5, 3.0) for i in range(2)]
+    assert both.item() == pytest.approx((each[0].item() + each[1].item()) / 2, rel=1e-6)  # batchmean, not /C
+    # student == teacher: the soft term is 0, only (1-λ)·CE is left
+    same = distill_loss(t, t, y, 0.5, 3.0)
+    assert same.item() == pytest.approx(0.5 * torch.nn.functional.cross_entropy(t, y).item(), rel=1e-6)
+    assert distill_loss(s, t, y, 0.0, 7.0).item() == pytest.approx(torch.nn.functional.cross_entropy(s, y).item())
+
+
+def test_gd_variant_has_the_same_gradient():
+    t = torch.tensor([[0.0, 1.0, 3.0]])
+    grads = []
+    for variant in ("sgd", "gd"):
+        s = torch.tensor([[1.0, 2.0, 0.0]], requires_grad=True)
+        distill_loss(s, t, torch.tensor([1]), 0.7, 4.0, variant).backward()
+        grads.append(s.grad)
+    torch.testing.assert_close(grads[0], grads[1])
+
+
+# ------------------------------------------------------------------------------------------- teacher selection
+
+class ScriptedClient:
+    """Just what PersFLClient.track touches; the validation loss of a model is read from its first weight."""
+
+    def __init__(self, cid, losses):
+        self.cid, self.losses, self.state = cid, losses, {}
+        self.settings = TrainSettings("classification", 1, 0.1, 8)
+
+    def n(self, split):
+        return 5
+
+    def new_model(self, vec=None):
+        return {}
+
+    def load(self, vec, model):
+        model["r"] = int(vec[0])
+        return model
+
+    def loss(self, model, split):
+        assert split == "val"
+        return self.losses[model["r"]]
+
+
+def test_teacher_is_per_client_lowest_val_loss_with_strict_improvement():
+    logic = PersFLClient(PersFLParams())
+    a = ScriptedClient(0, [2.0, 1.5, 0.9, 1.1, 0.9])  # round 2 and 4 tie: the earlier stays
+    b = ScriptedClient(1, [2.0, 0.7, 0.8, 0.9, 1.0])  # a different client, a different round
+    for c in (a, b):
+        logic.init_client(c)
+        for r in range(5):
+            logic.track(c, np.array([r, 0.0], np.float32), r)
+    assert (a.state["teacher_round"], a.state["teacher_loss"]) == (2, 0.9)
+    assert (b.state["teacher_round"], b.state["teacher_loss"]) == (1, 0.7)
+    np.testing.assert_array_equal(b.state["teacher"], [1.0, 0.0])
+
+
+# ------------------------------------------------------------------------------------------- grid on validation
+
+def test_better_breaks_ties_towards_the_first_point():
+    assert better((0.8, 1.0), None)
+    assert better((0.9, 2.0), (0.8, 1.0))
+    assert better((0.8, 0.9), (0.8, 1.0))
+    assert not better((0.8, 1.0), (0.8, 1.0))
+    assert not better((0.7, 0.1), (0.8, 1.0))
+
+
+def tiny_client(test_labels_flipped=False):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(90, 4, generator=g)
+    y = (x[:, 0] + 0.5 * x[:, 1] > 0).long()
+    test_y = 1 - y[60:] if test_labels_flipped else y[60:]
+    splits = {"train": (x[:30], y[:30]), "val": (x[30:60], y[30:60]), "test": (x[60:], test_y)}
+    make = lambda: torch.nn.Linear(4, 2)  # noqa: E731
+    teacher = np.random.default_rng(0).normal(0, 0.3, 10).astype(np.float32)
+    c = Client(3, splits, make, teacher, TrainSettings("classification", 2, 0.5, 8), 0)
+    return c, teacher
+
+
+def run_distill(params, flipped=False):
+    logic = PersFLClient(params)
+    client, teacher = tiny_client(flipped)
+    logic.init_client(client)
+    client.state.update(teacher=teacher, teacher_round=4, teacher_loss=0.5)
+    return logic.step_distill(client, {"seed": 0}, {}), client
+
+
+def test_grid_selects_on_validation_never_test():
+    params = PersFLParams(lam_grid=(0.0, 0.5, 1.0), T_grid=(1.0, 5.0))
+    up, client = run_distill(params)
+    grid = up["grid"]
+    assert [(g[0], g[1]) for g in grid] == params.grid()
+    best = max(range(len(grid)), key=lambda i: (grid[i][2], -grid[i][3], -i))  # val acc, val loss, first
+    assert (up["lam"], up["T"]) == tuple(grid[best][:2])
+    assert grid[0][2:] == grid[1][2:]  # λ = 0: T plays no role
+    loss, acc = client.loss(client.model), client.evaluate(client.model)["val_acc"]
+    assert (acc, loss) == pytest.approx((up["val_acc"], up["val_loss"]))  # the kept model is the chosen one
+    flipped, _ = run_distill(params, flipped=True)  # the test split's labels cannot change the choice
+    assert (flipped["lam"], flipped["T"], flipped["grid"]) == (up["lam"], up["T"], up["grid"])
+
+
+def test_single_point_equals_that_point_of_the_grid():
+    grid_up, _ = run_distill(PersFLParams(lam_grid=(0.0, 0.5), T_grid=(1.0, 5.0)))
+    one, client = run_distill(PersFLParams(lam=0.5, T=5.0, lam_grid=(), T_grid=()))
+    assert (one["lam"], one["T"]) == (0.5, 5.0)
+    assert one["grid"] == [g for g in grid_up["grid"] if (g[0], g[1]) == (0.5, 5.0)]
+
+
+def test_params_from_cli_strings_and_checks():
+    algo = get_algorithm("persfl")
+    p = algo.make_params({"lam_grid": "0,0.5", "T_grid": "1,3", "lam": "0.2", "variant": "gd"})
+    assert p.lam_grid == (0.0, 0.5) and p.T_grid == (1.0, 3.0) and p.lam == 0.2
+    assert algo.make_params({"lam_grid": [], "T_grid": []}).grid() == [(0.5, 1.0)]
+    for bad in (dict(lam=1.5), dict(T_grid=(0.0,)), dict(variant="kd"), dict(teacher="worst"),
+                dict(distill_epochs=-1)):
+        with pytest.raises(ValueError):
+            PersFLParams(**bad).check(4)
+
+
+# ------------------------------------------------------------------------------------------- whole runs
+
+def run(tmp_cache=None, **params):
+    params = {"lam_grid": (0.0, 0.5), "T_grid": (1.0, 4.0), **params}
+    if tmp_cache:
+        params["stage1_cache"] = str(tmp_cache)
+    cfg = make_config(None, {"algo": "persfl", "dataset": "synthetic", "partition": "pathological", "clients": 4,
+                             "rounds": 3, "lr": 0.1, "samples_per_client": 150, "params": params})
+    p = prepare(cfg)
+    return Loop(p, LocalRuntime(p)).run()
+
+
+def evals(loop):
+    return {c: {k: v for k, v in rec.items() if k != "seconds"} for c, rec in loop.last_eval.items()}
+
+
+def test_stage1_cache_gives_the_same_stage2(tmp_path):
+    plain = run()
+    writer = run(tmp_path)
+    reader = run(tmp_path)
+    assert (tmp_path / "persfl_stage1.npz").is_file()
+    assert [h["stage"] for h in plain.history] == ["fedavg"] * 3 + ["distill"]
+    assert [h["stage"] for h in reader.history] == ["distill"]  # stage 1 skipped
+    assert reader.final["stage1_from_cache"] == 1.0 and writer.final["stage1_from_cache"] == 0.0
+    for other in (writer, reader):
+        assert evals(other) == evals(plain)  # every client's val/test loss and accuracy, exactly
+        a, b = plain.server.artifacts(), other.server.artifacts()
+        assert a["persfl_clients"].equals(b["persfl_clients"]) and a["persfl_grid"].equals(b["persfl_grid"])
+    table = plain.server.artifacts()["persfl_clients"]
+    assert list(table.columns[:5]) == ["client", "teacher_round", "teacher_val_loss", "lam", "T"]
+    assert table.teacher_round.between(0, 3).all()
+    # a trial with one (λ, T) and the same cache reproduces that grid point's validation score
+    single = run(tmp_path, lam=0.5, T=4.0, lam_grid=(), T_grid=())
+    grid = plain.server.artifacts()["persfl_grid"]
+    want = grid[(grid.lam == 0.5) & (grid["T"] == 4.0)].val_acc.to_numpy()
+    np.testing.assert_array_equal(single.server.artifacts()["persfl_clients"].val_acc.to_numpy(), want)
+
+
+def test_cache_from_another_config_is_refused(tmp_path):
+    run(tmp_path)
+    cfg = make_config(None, {"algo": "persfl", "dataset": "synthetic", "clients": 4, "rounds": 2, "lr": 0.1,
+                             "samples_per_client": 150, "params": {"stage1_cache": str(tmp_path)}})
+    p = prepare(cfg)
+    with pytest.raises(ValueError, match="rounds"):
+        Loop(p, LocalRuntime(p))
+
+
+def test_final_teacher_ablation_runs():
+    loop = run(teacher="final", lam_grid=(0.5,), T_grid=(2.0,))
+    assert loop.history[-1]["stage"] == "distill" and loop.final["test_acc_mean"] > 0.3

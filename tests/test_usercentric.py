@@ -1,0 +1,140 @@
+"""User-centric FL (spec 003): eq. (6) weights against a hand computation, eq. (7) statistics, eq. (5)
+aggregation, the FedAvg limit for identical users, and k-means streams recovering the true groups."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from rayfl.algorithms.baselines import FedAvgServer
+from rayfl.algorithms.usercentric import (UserCentricParams, aggregate, assign_streams, collaboration_weights,
+                                          gradient_stats)
+from rayfl.config import make_config
+from rayfl.experiment import prepare
+from rayfl.loop import Loop
+from rayfl.runtime import LocalRuntime
+from rayfl.training import weighted_average
+
+
+def run(algo, prepared=None, **over):
+    cfg = make_config(None, {"algo": algo, "dataset": "digits", "clients": 4, "rounds": 2, "lr": 0.1, **over})
+    p = prepared or prepare(cfg)
+    return Loop(p, LocalRuntime(p)).run()
+
+
+# --------------------------------------------------------------------------------------------- math
+
+def test_weights_match_hand_computation():
+    # g1=(0,0), g2=(1,0), g3=(0,2); σ² = (1, 1, 4) so σ = (1, 1, 2); n = (10, 20, 30)
+    # Δ12 = 1, Δ13 = 4, Δ23 = 5;  w_ij ∝ n_j exp(-Δ_ij / (2 σ_i σ_j))
+    w = collaboration_weights(np.array([[0.0, 0.0], [1.0, 0.0], [0.0, 2.0]]), np.array([1.0, 1.0, 4.0]),
+                              np.array([10, 20, 30]))
+    e = math.exp
+    rows = [[10, 20 * e(-1 / 2), 30 * e(-4 / 4)],
+            [10 * e(-1 / 2), 20, 30 * e(-5 / 4)],
+            [10 * e(-4 / 4), 20 * e(-5 / 4), 30]]
+    expected = np.array([[v / sum(r) for v in r] for r in rows])
+    np.testing.assert_allclose(w, expected, rtol=1e-12)
+    assert not np.allclose(w, w.T)  # row-stochastic, not symmetric
+
+
+def test_weights_stable_for_large_discrepancies():
+    w = collaboration_weights(np.array([[0.0], [1e4]]), np.array([1e-6, 1e-6]), np.array([5, 5]))
+    np.testing.assert_allclose(w, np.eye(2))  # no NaN: log-space softmax
+
+
+def test_identical_users_give_fedavg_weights_and_average():
+    n = np.array([10.0, 30.0, 60.0])
+    w = collaboration_weights(np.ones((3, 4)), np.array([0.5, 1.0, 2.0]), n)
+    np.testing.assert_allclose(w, np.tile(n / n.sum(), (3, 1)))  # spec 003 §3.2: Δ = 0 gives FedAvg
+    vecs = [np.full(5, v, dtype=np.float32) for v in (1.0, 2.0, 4.0)]
+    labels, centroids = assign_streams(w, 0, seed=0)
+    out = aggregate(centroids, vecs)
+    for row in out:
+        np.testing.assert_allclose(row, weighted_average(vecs, n), rtol=1e-6)
+
+
+def test_aggregate_is_eq5_on_parameters():
+    w = np.array([[0.75, 0.25], [0.5, 0.5]])
+    out = aggregate(w, [np.array([1.0, 0.0], np.float32), np.array([0.0, 1.0], np.float32)])
+    np.testing.assert_allclose(out, w)
+
+
+def test_streams_full_personalization_and_kmeans_centroids():
+    w = np.array([[0.9, 0.1, 0.0, 0.0], [0.8, 0.2, 0.0, 0.0], [0.0, 0.0, 0.7, 0.3], [0.0, 0.0, 0.4, 0.6]])
+    for k in (0, 4):
+        labels, cent = assign_streams(w, k, seed=0)
+        assert labels.tolist() == [0, 1, 2, 3] and np.array_equal(cent, w)
+    labels, cent = assign_streams(w, 2, seed=0)
+    assert labels[0] == labels[1] != labels[2] == labels[3]
+    np.testing.assert_allclose(cent[labels[0]], [0.85, 0.15, 0, 0])  # the cluster's mean row of W
+    np.testing.assert_allclose(cent[labels[2]], [0, 0, 0.55, 0.45])
+    labels, cent = assign_streams(w, 1, seed=0)
+    np.testing.assert_allclose(cent[0], w.mean(0))  # k = 1 is the mean row, not FedAvg
+
+
+def test_gradient_stats_eq7():
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    x, y = torch.randn(5, 3), torch.tensor([0, 1, 1, 0, 1])
+    loss = nn.functional.cross_entropy
+
+    def grad(xb, yb):
+        model.zero_grad()
+        loss(model(xb), yb).backward()
+        return torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()
+
+    g, sigma2 = gradient_stats(model, x, y, loss, batch=2, chunk=2)  # full gradient summed over 3 chunks
+    full = grad(x, y)
+    np.testing.assert_allclose(g, full.numpy(), rtol=1e-5, atol=1e-7)
+    # K = floor(5 / 2) = 2 batches of n_k = 2; the fifth sample is dropped from (7) only
+    expected = np.mean([float((grad(x[i:i + 2], y[i:i + 2]) - full).pow(2).sum()) for i in (0, 2)])
+    assert sigma2 == pytest.approx(expected, rel=1e-6)
+
+
+def test_params_check():
+    UserCentricParams(streams=4).check(4)
+    with pytest.raises(ValueError, match="streams=5"):
+        UserCentricParams(streams=5).check(4)
+    with pytest.raises(ValueError, match="sigma_batch=-1"):
+        UserCentricParams(sigma_batch=-1).check(4)
+
+
+# --------------------------------------------------------------------------------------------- behaviour
+
+def test_identical_users_train_exactly_like_fedavg():
+    preps = []
+    for algo in ("usercentric", "fedavg"):
+        p = prepare(make_config(None, {"algo": algo, "dataset": "digits", "partition": "iid", "clients": 4,
+                                       "rounds": 2, "lr": 0.1}))
+        p.federation.clients = [p.federation.clients[0]] * 4  # four users holding the same data
+        p.info.n_train = [p.info.n_train[0]] * 4
+        preps.append(p)
+    uc, fa = (Loop(p, LocalRuntime(p)).run() for p in preps)
+    np.testing.assert_allclose(uc.server.w, 0.25)
+    assert isinstance(fa.server, FedAvgServer)
+    for c, v in uc.runtime.client_vectors().items():
+        np.testing.assert_allclose(v, fa.runtime.client_vectors()[c], atol=1e-5)
+    assert uc.final["test_acc_mean"] == pytest.approx(fa.final["test_acc_mean"])
+
+
+@pytest.mark.parametrize("partition,groups", [("rotation", 2), ("permutation", 4)])
+def test_kmeans_with_true_k_recovers_groups(partition, groups):
+    loop = run("usercentric", partition=partition, groups=groups, clients=8, rounds=1,
+               params={"streams": groups})
+    truth = np.array(loop.prepared.info.groups)
+    labels = loop.server.labels
+    for g in range(groups):  # one stream per true group, and each group in one stream
+        assert len(set(labels[truth == g])) == 1
+    assert len(set(labels)) == groups
+    assert loop.setup_metrics["streams_ari_groups"] == 1.0
+    assert loop.setup_metrics["silhouette_best_k"] == groups
+    w = loop.server.w
+    same = truth[:, None] == truth[None, :]
+    assert w[same].mean() > w[~same].mean()  # more weight on same-group users
+    art = loop.server.artifacts()
+    assert art["W"].shape == (8, 8) and list(art["streams"]["stream"]) == labels.tolist()
+    assert art["stream_weights"].shape == (groups, 8)
+    assert "test_acc_worst" in loop.final
