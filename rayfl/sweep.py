@@ -705,6 +705,8 @@ def _new_sweep(args) -> dict:
     n_grid = validate_space(plan)
     for note in plan.notes:
         print(f"rayfl tune: note: {note}", flush=True)
+    if plan.base.get("data_root"):  # trials run in their own directories: relative paths would break there
+        plan.base["data_root"] = os.path.abspath(os.path.expanduser(plan.base["data_root"]))
     base_cfg = plan.config({})
     prepared = prepare(base_cfg)  # data errors (a missing data root, ...) before any trial; gives the task
     metric, mode = _default_metric(prepared.info.task, args.metric, args.mode)

@@ -2,12 +2,12 @@
 
 A head (1 CPU, no GPU, dashboard on a private port) and two worker nodes (2 CPUs and 2 *logical*
 GPUs each: a GPU-less machine accepts ``num_gpus``, and Ray still hands out GPU ids and sets
-CUDA_VISIBLE_DEVICES) are separate raylets started with ``ray.cluster_utils.Cluster``. The run goes
-through the real job-submission path, the `ray job submit` CLI against the head's dashboard, with Ray
-token authentication on, and the MLflow store named only in the nodes' environment
-(MLFLOW_TRACKING_URI at node start, as cluster/cluster.yaml sets it), as on the cloud cluster. The test then checks, from what the run logged to
-MLflow, that the client actors landed on more than one node, only on GPU nodes, each with a GPU id,
-and that the run holds its metrics.
+CUDA_VISIBLE_DEVICES) are separate raylets started with ``ray.cluster_utils.Cluster``. As on the
+cloud cluster (cluster/cluster.yaml), the run goes through the real job-submission path (the
+`ray job submit` CLI against the head's dashboard), with Ray token authentication on, and the MLflow
+store is named only in the nodes' environment (MLFLOW_TRACKING_URI at node start), not in the job's
+command line. The test then checks, from what the run logged to MLflow, that the client actors landed
+on more than one node, only on the GPU nodes, each with a GPU id, and that the run holds its metrics.
 
 Isolation on a shared machine:
 - The cluster lives in a helper process in its own session, with its own RAY_TMPDIR (Cluster writes
@@ -17,8 +17,8 @@ Isolation on a shared machine:
   process group; then any process left whose command line or environment names this test's private
   directory (a job entrypoint runs in a session of its own) is killed by pid. Never `ray stop`.
 - No ``--working-dir``: with two raylets sharing one session dir the job's extracted working dir can
-  be deleted under the running entrypoint (see notes). rayfl is importable from the venv; PYTHONPATH
-  is passed as well so an uninstalled checkout works.
+  be deleted under the running entrypoint (see notes). rayfl is importable from the venv, and the
+  nodes' PYTHONPATH names the checkout as well, as the cluster's nodes have rayfl installed.
 """
 
 from __future__ import annotations
@@ -120,8 +120,9 @@ def _pids_naming(marker: str) -> list[int]:
     return found
 
 
-def _kill_leftovers(marker: str) -> list[int]:
-    pids = _pids_naming(marker)
+def _kill_leftovers(marker: str) -> tuple[list[int], list[int]]:
+    """Kill what is left of ours; returns (found, survived)."""
+    found = pids = _pids_naming(marker)
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in pids:
             try:
@@ -132,7 +133,7 @@ def _kill_leftovers(marker: str) -> list[int]:
         while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in pids):
             time.sleep(0.2)
         pids = [p for p in pids if Path(f"/proc/{p}").exists()]
-    return pids
+    return found, pids
 
 
 @pytest.fixture
@@ -183,7 +184,9 @@ def cluster():
             except ProcessLookupError:
                 break
             time.sleep(1)
-        left = _kill_leftovers(root)
+        found, left = _kill_leftovers(root)
+        if found:
+            print(f"teardown: killed {len(found)} process(es) left after the cluster's shutdown")
         log.close()
         shutil.rmtree(root, ignore_errors=True)
         assert not left, f"processes survived teardown: {left}"
@@ -213,9 +216,11 @@ def test_job_on_multinode_cluster_spreads_gpu_client_actors(cluster):
                   "--cpus-per-actor", str(CPUS_PER_ACTOR), "--experiment", EXPERIMENT,
                   "--out-dir", f"{root}/runs"]
     submission_id = f"rayfl-multinode-{secrets.token_hex(4)}"
-    runtime_env = {"env_vars": {"PYTHONPATH": env["PYTHONPATH"], "RFL_MULTINODE_TEST": root}}
+    # No runtime_env: the nodes' environment already has what the job needs (PYTHONPATH, the tracking
+    # URI), and a job without one can use the workers its raylets pre-started (a runtime_env would
+    # need fresh worker processes).
     cmd = [_ray_cli(), "job", "submit", "--address", cluster["dashboard"], "--submission-id", submission_id,
-           "--runtime-env-json", json.dumps(runtime_env), "--", *entrypoint]
+           "--", *entrypoint]
     t0, wall0 = time.monotonic(), time.time()
     try:
         job = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=JOB_TIMEOUT)
