@@ -8,7 +8,7 @@ from typing import Callable
 import ray
 
 from actors.driver import DriverActor
-from actors.resources import DRIVER_CPUS, plan_actor_resources
+from actors.resources import DRIVER_CPUS, check_fits, plan_actor_resources
 from rayfl.runtime import assign_hosts
 
 
@@ -21,6 +21,7 @@ def launch(prepared, tracking: dict, checkpoint_dir: str | None = None,
     n_actors = len(assign_hosts(cfg.clients, cfg.clients_per_actor))
     if resources is None:
         resources = plan_actor_resources(cfg, n_actors, ray.cluster_resources())
+        check_fits(resources, n_actors, ray.cluster_resources())
     ds = prepared.dataset
     # Wrapped in a list so the driver receives the refs themselves, not the arrays.
     x_ref, y_ref = [ray.put(ds.x)], [ray.put(ds.y)]

@@ -44,3 +44,16 @@ def plan_actor_resources(cfg, n_actors: int, cluster: dict) -> ActorResources:
     else:
         gpus = 0.0
     return ActorResources(round(cpus, 4), round(gpus, 4))
+
+
+def check_fits(res: ActorResources, n_actors: int, cluster: dict) -> None:
+    """A request the cluster cannot hold would wait forever: say so instead, before any actor starts."""
+    from rayfl.config import UserError
+
+    for kind, per in (("CPU", res.num_cpus), ("GPU", res.num_gpus)):
+        need = per * n_actors + (DRIVER_CPUS if kind == "CPU" else 0)
+        have = float(cluster.get(kind, 0.0))
+        if per > 0 and need > have + 1e-9:
+            flag = "cpus_per_actor" if kind == "CPU" else "gpus_per_actor"
+            raise UserError(f"{flag}={per:g} x {n_actors} client actors needs {need:g} {kind}s, the cluster has "
+                            f"{have:g}; lower it, or raise clients_per_actor")

@@ -214,6 +214,8 @@ def cmd_run(args) -> int:
     tracking = {"tracking_uri": uri, "experiment_id": exp_id, "run_name": run_name}
     try:
         result = launch(prepared, tracking, checkpoint_dir=run_dir, on_round=show)
+    except UserError:
+        raise
     except Exception as e:  # the run failed inside Ray: say what, and where its remains are
         print(f"rayfl: run failed: {_root_cause(e)}", file=sys.stderr)
         print(f"rayfl: what was logged is kept in MLflow ({uri}); checkpoints in {run_dir}", file=sys.stderr)

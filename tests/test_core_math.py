@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from actors.resources import plan_actor_resources
+from actors.resources import ActorResources, check_fits, plan_actor_resources
 from rayfl.config import UserError, make_config
 from rayfl.metrics import round_summary, summarize
 from rayfl.models import build_model
@@ -126,3 +126,11 @@ def test_config_file_and_overrides(tmp_path):
 def test_nan_free_summary_for_regression():
     out = round_summary({0: {"test_loss": 0.5, "test_acc": math.nan, "n_test": 3}})
     assert "test_acc_mean" not in out and out["test_loss_mean"] == 0.5
+
+
+def test_requests_the_cluster_cannot_hold_are_user_errors():
+    check_fits(ActorResources(0.5, 0.0), 3, {"CPU": 2.0})
+    with pytest.raises(UserError, match="cpus_per_actor=1 x 3 client actors needs 3.05 CPUs, the cluster has 2"):
+        check_fits(ActorResources(1.0, 0.0), 3, {"CPU": 2.0})
+    with pytest.raises(UserError, match="gpus_per_actor=0.5 x 2 client actors needs 1 GPUs, the cluster has 0"):
+        check_fits(ActorResources(0.1, 0.5), 2, {"CPU": 2.0})
