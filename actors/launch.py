@@ -9,19 +9,28 @@ import ray
 
 from actors.driver import DriverActor
 from actors.resources import DRIVER_CPUS, check_fits, plan_actor_resources
+from rayfl.config import UserError
 from rayfl.runtime import assign_hosts
 
 
 def launch(prepared, tracking: dict, checkpoint_dir: str | None = None,
            on_round: Callable[[dict], None] | None = None, resources=None, driver_options: dict | None = None,
            actor_options: list[dict] | None = None, poll_seconds: float = 0.25,
-           stop_grace_seconds: float = 30.0) -> dict:
-    """Run ``prepared`` on the connected Ray cluster; ``on_round`` sees each round's record."""
+           stop_grace_seconds: float = 30.0, cluster_may_grow: bool = False) -> dict:
+    """Run ``prepared`` on the connected Ray cluster; ``on_round`` sees each round's record.
+
+    A request larger than the cluster is a user error on a private local instance; on a cluster that
+    may grow (an autoscaling one we connected to) it only warns, and the actors wait for nodes."""
     cfg = prepared.cfg
     n_actors = len(assign_hosts(cfg.clients, cfg.clients_per_actor))
     if resources is None:
         resources = plan_actor_resources(cfg, n_actors, ray.cluster_resources())
-        check_fits(resources, n_actors, ray.cluster_resources())
+        try:
+            check_fits(resources, n_actors, ray.cluster_resources())
+        except UserError as e:
+            if not cluster_may_grow:
+                raise
+            print(f"rayfl: waiting for the autoscaler: {e}", flush=True)
     ds = prepared.dataset
     # Wrapped in a list so the driver receives the refs themselves, not the arrays.
     x_ref, y_ref = [ray.put(ds.x)], [ray.put(ds.y)]

@@ -213,7 +213,8 @@ def cmd_run(args) -> int:
     show = None if args.quiet else (lambda rec: print(format_round(rec), flush=True))
     tracking = {"tracking_uri": uri, "experiment_id": exp_id, "run_name": run_name}
     try:
-        result = launch(prepared, tracking, checkpoint_dir=run_dir, on_round=show)
+        result = launch(prepared, tracking, checkpoint_dir=run_dir, on_round=show,
+                        cluster_may_grow=bool(args.address or os.environ.get("RAY_ADDRESS")))
     except UserError:
         raise
     except Exception as e:  # the run failed inside Ray: say what, and where its remains are
