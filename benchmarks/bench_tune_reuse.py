@@ -28,7 +28,7 @@ def sweep(tmp: str, name: str, args, reuse: bool) -> dict:
         f.write(f"grid:\n  lam: {list(args.lam)}\n  T: {list(args.T)}\n")
     cmd = [sys.executable, "-m", "rayfl.cli", "tune", "--algo", "persfl", "--space", space,
            "--dataset", args.dataset, "--partition", "pathological", "--clients", str(args.clients),
-           "--rounds", str(args.rounds), "--samples-per-client", str(args.samples_per_client),
+           "--rounds", str(args.rounds), "--local-epochs", str(args.local_epochs), "--samples-per-client", str(args.samples_per_client),
            "--clients-per-actor", str(args.clients_per_actor), "--max-concurrent", str(args.max_concurrent),
            "--tracking-uri", f"sqlite:///{tmp}/mlflow.db", "--storage-path", os.path.join(tmp, "tune"),
            "--name", name, "--quiet"] + ([] if reuse else ["--no-stage1-reuse"])
@@ -50,6 +50,7 @@ def main() -> None:
     p.add_argument("--dataset", default="synthetic")
     p.add_argument("--clients", type=int, default=4)
     p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--local-epochs", type=int, default=1)
     p.add_argument("--samples-per-client", type=int, default=100)
     p.add_argument("--clients-per-actor", type=int, default=2)
     p.add_argument("--max-concurrent", type=int, default=2)

@@ -7,7 +7,7 @@ In-process (LocalRuntime, no Ray): the numbers do not depend on the runtime, and
     .venv/bin/python benchmarks/repro_federico.py                      # digits, the table in results_federico.md
     .venv/bin/python benchmarks/repro_federico.py --dataset mnist --data-root /work/shared/datasets/mnist-t10k \
         --model mlp-784-100
-    .venv/bin/python benchmarks/repro_federico.py --sine               # Figure 1 toy (regression)
+    .venv/bin/python benchmarks/repro_federico.py --sine --rounds 300 [--loss-sum]   # Figure 1 toy
 
 Reported per setting: the sample-weighted mean of per-client test accuracy (the paper's metric, spec P11) and
 the worst client's, each as mean ± std over seeds.
@@ -77,7 +77,7 @@ def sine(args) -> None:
                     "test_frac": 0.2, "optimizer": "adam", "lr": 0.01, "batch_size": args.batch_size,
                     "eval_every": args.rounds}
             if algo == "federico":
-                over["params"] = {"M": min(args.M, args.clients - 1)}
+                over["params"] = {"M": min(args.M, args.clients - 1), "loss_sum": args.loss_sum}
             p = prepare(make_config(None, over))
             loop = Loop(p, LocalRuntime(p)).run()
             row = {"algo": algo, "seed": seed, "mse": loop.final["test_loss_weighted_mean"]}
@@ -114,6 +114,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--algos", nargs="+", default=["local", "fedavg", "fedavg-ft", "federico"])
     ap.add_argument("--sine", action="store_true", help="the Figure-1 sine toy instead of the label-group table")
+    ap.add_argument("--loss-sum", action="store_true", help="FedeRiCo's posterior from Eq. 3's summed loss")
     ap.add_argument("--json", default=None, help="also write every run as JSON lines here")
     args = ap.parse_args()
     if args.sine:

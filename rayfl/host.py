@@ -108,15 +108,15 @@ class ClientHost:
                 else:
                     slots.append((i, name, None)), handles.append(h)
         values = self.resolve(handles) if handles else []
-        out: list[dict] = [{} for _ in model_maps]
+        # Empty lists/dicts stay present, so a step can index what its message named.
+        out: list[dict] = [{name: {} if isinstance(h, dict) else [None] * len(h)
+                            for name, h in mm.items() if isinstance(h, (dict, list, tuple))}
+                           for mm in model_maps]
         for (i, name, key), v in zip(slots, values):
-            src = model_maps[i][name]
             if key is None:
                 out[i][name] = v
-            elif isinstance(src, dict):
-                out[i].setdefault(name, {})[key] = v
             else:
-                out[i].setdefault(name, [None] * len(src))[key] = v
+                out[i][name][key] = v
         return out
 
     def state(self) -> dict[int, bytes]:

@@ -442,6 +442,57 @@ def stage1_ready(cache_dir: str) -> bool:
     return os.path.isfile(os.path.join(cache_dir, CACHE_FILE))
 
 
+def stage1_groups(plan: Plan, stage1_root: str) -> dict[str, dict] | None:
+    """Stage-1 key -> one grid sample of that key, for every grid point; None when a random key that
+    stage 1 depends on is swept (the keys are then known only per trial: the trials' lock handles it)."""
+    free = set(STAGE1_FREE.get(plan.algo, ()))
+    if any(k not in free for k in plan.space.random):
+        return None
+    keys = [k for k in plan.space.grid if k not in free]
+    groups: dict[str, dict] = {}
+    firsts = {k: v[0] for k, v in plan.space.grid.items() if k in free}
+    for combo in itertools.product(*(plan.space.grid[k] for k in keys)):
+        sample = {**firsts, **dict(zip(keys, combo))}
+        values = plan.values(sample)
+        groups.setdefault(stage1_key(values, plan.algo), sample)
+    return groups
+
+
+def warm_stage1(meta: dict, plan: Plan, quiet: bool) -> None:
+    """Before the trials: compute each distinct stage 1 once, with the whole cluster (a plain experiment,
+    logged as a child run of the sweep with role ``stage1``), so that every (λ, T) trial only reads it."""
+    from actors.launch import launch
+    from rayfl.cli import format_round
+    from rayfl.experiment import prepare
+
+    groups = stage1_groups(plan, meta["stage1_root"])
+    if groups is None:
+        print("rayfl tune: stage 1 depends on a randomly drawn key: trials share it through a lock instead",
+              flush=True)
+        return
+    for i, (key, sample) in enumerate(groups.items()):
+        cache = os.path.join(meta["stage1_root"], key)
+        if stage1_ready(cache):
+            continue
+        values = plan.values(sample)
+        values["params"]["stage1_cache"] = cache
+        lock = Stage1Lock(cache)
+        if not lock.acquire(lambda: stage1_ready(cache)):
+            continue
+        try:
+            print(f"rayfl tune: stage 1 {i + 1}/{len(groups)} (key {key}, shared by its trials), whole cluster",
+                  flush=True)
+            tracking = {"tracking_uri": meta["tracking_uri"], "experiment_id": meta["experiment_id"],
+                        "parent_run_id": meta["parent_run_id"], "run_name": f"{meta['name']}/stage1-{key}",
+                        "extra_params": {"tune_role": "stage1", "tune_stage1_key": key, "tune_sweep": meta["name"]}}
+            show = None if quiet else (lambda rec: print("  stage 1: " + format_round(rec), flush=True))
+            launch(prepare(make_config(None, values)), tracking, on_round=show)
+        finally:
+            lock.release()
+        if not stage1_ready(cache):
+            raise RuntimeError(f"stage 1 for key {key} ended without writing {cache}")
+
+
 # --------------------------------------------------------------------------------------------------
 # The trial: one experiment inside the trial's placement group
 # --------------------------------------------------------------------------------------------------
@@ -481,7 +532,7 @@ def run_trial(config: dict, ctx: dict) -> None:
     label = " ".join(f"{k}={v}" for k, v in swept.items())
     tracking = {"tracking_uri": ctx["tracking_uri"], "experiment_id": ctx["experiment_id"],
                 "parent_run_id": ctx["parent_run_id"], "run_name": f"{ctx['name']}/{trial_id} {label}".strip(),
-                "extra_params": {"tune_trial_id": trial_id, "tune_sweep": ctx["name"],
+                "extra_params": {"tune_role": "trial", "tune_trial_id": trial_id, "tune_sweep": ctx["name"],
                                  "tune_swept": ",".join(ctx["swept"]), "tune_bundles": json.dumps(bundles)}}
     metric = ctx["metric"]
     state = {"metric": None, "held": None}
@@ -806,6 +857,8 @@ def _run(meta: dict, args, resume: bool) -> int:
                                 failure_config=tune.FailureConfig(max_failures=0))
     status = "FAILED"
     try:
+        if meta["stage1_root"]:
+            warm_stage1(meta, plan, args.quiet)
         if resume:
             tuner = tune.Tuner.restore(meta["sweep_dir"], trainable, resume_unfinished=True, restart_errored=True,
                                        param_space=_search_space(plan, meta["search"]))

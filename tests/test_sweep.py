@@ -191,7 +191,15 @@ def test_persfl_reuse_gives_the_stage2_result_of_a_run_without_it(ray_session, t
     caches = glob.glob(str(tmp_path / "tune" / "p" / "stage1" / "*" / "persfl_stage1.npz"))
     assert len(caches) == 1  # one stage 1 for both trials
     progress = [pd.read_json(p, lines=True) for p in glob.glob(str(tmp_path / "tune" / "p" / "*" / "result.json"))]
-    assert sorted(int(p.iloc[-1].stage1_owner) for p in progress) == [0, 1]
+    assert len(progress) == 2 and all(int(p.iloc[-1].stage1_owner) == 0 for p in progress)  # computed up front
+    assert all(p.iloc[-1].stage1_from_cache == 1.0 and p.iloc[-1].total_rounds == 1 for p in progress)
+    import mlflow
+
+    mlflow.set_tracking_uri(uri)
+    parent = mlflow.search_runs(mlflow.get_experiment_by_name("rayfl").experiment_id,
+                                filter_string="tags.`rayfl.kind` = 'sweep'").run_id[0]
+    kids = _children(uri, parent)
+    assert sorted(kids["params.tune_role"]) == ["stage1", "trial", "trial"] and set(kids.status) == {"FINISHED"}
     table = pd.read_csv(tmp_path / "tune" / "p" / "results.csv")
     for row in table.itertuples():
         cfg = tiny(algo="persfl", samples_per_client=40, params={"lam": row.lam, "T": row.T, "lam_grid": (), "T_grid": ()})

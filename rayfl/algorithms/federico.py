@@ -20,7 +20,8 @@ Choices where paper and spec are silent (each also marked [CHOICE] where it is m
 - L̂ starts from one all-to-all evaluation on the full train split at t = 0 (``init_losses="all"``, spec P4
   recommendation), or at the client's own initial loss for every entry (``"own"``: no communication);
 - the per-round loss is the MEAN loss per sample on one minibatch of ``cfg.batch_size`` (P3: the sum over
-  n_i samples would make w one-hot at once); the same batch gives the E-step loss and the M-step gradient;
+  n_i samples would make w one-hot at once); the same batch gives the E-step loss and the M-step gradient.
+  ``loss_sum=True`` takes Eq. 3 literally (n_i x the batch mean): a 1/n_i lower softmax temperature;
 - Eq. 8 sums per-sample gradients over n_i points: the mean-loss gradient is scaled by n_i / n̄ (n̄ the
   mean train size), i.e. Eq. 8 divided by the constant n̄, absorbed into η like the 1/n of Eq. 4;
 - ε-greedy is one coin per client per round (spec §3.3 Option A), ties in the greedy top-M broken at random;
@@ -53,6 +54,7 @@ class Params:
     M: int = 3  # neighbours sampled per client per round (paper: 3)
     beta: float = 0.6  # EMA weight on the NEW loss: L̂ <- (1-β) L̂ + β l (paper: 0.6; pitfall P2)
     init_losses: str = "all"  # initial L̂: "all" (one all-to-all evaluation at t=0) or "own" (own loss)
+    loss_sum: bool = False  # per-round loss as Eq. 3's SUM over the n_i samples (n_i x batch mean), not the mean
 
     def check(self, n_clients: int) -> None:
         if not 0.0 <= self.epsilon <= 1.0:
@@ -229,6 +231,10 @@ class FedericoClient(ClientLogic):
         idx = torch.randperm(x.shape[0], generator=client.gen)[: client.settings.batch_size].to(x.device)
         return x[idx], y[idx]
 
+    def _temp(self, client) -> float:
+        """Scale of l_ij in the posterior: 1 (mean per sample, P3) or n_i (Eq. 3's sum over D_i)."""
+        return float(client.n()) if self.params.loss_sum else 1.0
+
     def _loss_fn(self, client):
         return training.loss_fn_for(client.settings.task)
 
@@ -247,6 +253,7 @@ class FedericoClient(ClientLogic):
             peers = models.get("peers", {})
             for j, m in zip(peers, self._peer_models(client, list(peers.values()))):
                 L[j] = float(loss_fn(m(x), y))
+        L *= self._temp(client)
         w = posterior(L)
         nxt = eps_greedy(w, me, self.params.M, self.params.epsilon, client.rng)
         client.state.update(L=L, w=w, next=nxt, K=K, scale=client.n() / msg["n_mean"])
@@ -264,7 +271,8 @@ class FedericoClient(ClientLogic):
         for net in nets:
             net.train()
             losses.append(loss_fn(net(x), y))  # mean per sample on B_i (P3)
-        st["L"] = ema_update(st["L"], owners, [float(v.detach()) for v in losses], p.beta)  # spec §3.4
+        new = [float(v.detach()) * self._temp(client) for v in losses]
+        st["L"] = ema_update(st["L"], owners, new, p.beta)  # spec §3.4
         st["w"] = w = posterior(st["L"])  # w_i^(t), used for the gradients below (new w at old Φ, P7)
         grads = {}
         for j, net, loss in zip(owners, nets, losses):
