@@ -134,3 +134,16 @@ def test_requests_the_cluster_cannot_hold_are_user_errors():
         check_fits(ActorResources(1.0, 0.0), 3, {"CPU": 2.0})
     with pytest.raises(UserError, match="gpus_per_actor=0.5 x 2 client actors needs 1 GPUs, the cluster has 0"):
         check_fits(ActorResources(0.1, 0.5), 2, {"CPU": 2.0})
+
+
+def test_host_resolves_every_named_handle_in_one_batch():
+    from types import SimpleNamespace
+
+    from rayfl.host import ClientHost
+
+    batches = []
+    fake = SimpleNamespace(resolve=lambda hs: batches.append(list(hs)) or [h * 10 for h in hs])
+    maps = [{"global": 1, "peers": [2, 3], "by_owner": {7: 4}}, {"peers": [], "by_owner": {}}, {}]
+    out = ClientHost._resolve_models(fake, maps)
+    assert batches == [[1, 2, 3, 4]]
+    assert out == [{"global": 10, "peers": [20, 30], "by_owner": {7: 40}}, {"peers": [], "by_owner": {}}, {}]
