@@ -5,7 +5,8 @@ alternating order over --repeats, so both see the same machine load). With reuse
 stage 1 (FedAvg + each client's teacher) and writes the cache; the others wait for it and run only stage 2.
 
     python benchmarks/bench_tune_reuse.py                       # 2 x 2 grid, 10 rounds, 2 at once
-    python benchmarks/bench_tune_reuse.py --lam 0 0.5 1 --T 1 5 9 --rounds 20 --max-concurrent 2
+    python benchmarks/bench_tune_reuse.py --dataset mnist --data-root ../shared/datasets/mnist-t10k \
+        --clients 10 --clients-per-actor 5 --samples-per-client 400 --rounds 20 --local-epochs 2 --lam 0 0.5 1 --T 1 5
 
 Prints a markdown table (paste it into benchmarks/results_tune.md with the command).
 """
@@ -32,6 +33,8 @@ def sweep(tmp: str, name: str, args, reuse: bool) -> dict:
            "--clients-per-actor", str(args.clients_per_actor), "--max-concurrent", str(args.max_concurrent),
            "--tracking-uri", f"sqlite:///{tmp}/mlflow.db", "--storage-path", os.path.join(tmp, "tune"),
            "--name", name, "--quiet"] + ([] if reuse else ["--no-stage1-reuse"])
+    cmd += ["--data-root", args.data_root] if args.data_root else []
+    cmd += ["--model", args.model] if args.model else []
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - t0
@@ -48,6 +51,8 @@ def main() -> None:
     p.add_argument("--lam", type=float, nargs="+", default=[0.0, 0.5])
     p.add_argument("--T", type=float, nargs="+", default=[1.0, 5.0])
     p.add_argument("--dataset", default="synthetic")
+    p.add_argument("--data-root", default=None)
+    p.add_argument("--model", default=None)
     p.add_argument("--clients", type=int, default=4)
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--local-epochs", type=int, default=1)

@@ -105,7 +105,10 @@ class Config:
         if self.data_root is not None and not os.path.isdir(os.path.expanduser(self.data_root)):
             raise UserError(f"data_root={self.data_root!r}: no such directory")
         try:
-            get_algorithm(self.algo).make_params(self.params).check(self.clients)
+            params = get_algorithm(self.algo).make_params(self.params)
+            params.check(self.clients)
+            if hasattr(params, "check_config"):  # checks that need the rest of the config
+                params.check_config(self)
         except ValueError as e:
             raise UserError(str(e)) from None
 

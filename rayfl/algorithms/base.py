@@ -5,7 +5,9 @@ An algorithm is one module in ``rayfl/algorithms/`` that defines three things an
 ``Params``
     A dataclass of the algorithm's own knobs (ε, M, β, λ, T, ...), with defaults from its paper. Its
     ``check(n_clients)`` method raises ``ValueError("name=value: what is allowed")`` for bad values. The
-    same names are what ``rayfl run --param KEY=VALUE`` and ``tune_spaces/<algo>.yaml`` set.
+    same names are what ``rayfl run --param KEY=VALUE`` and ``tune_spaces/<algo>.yaml`` set. An optional
+    ``check_config(cfg)`` checks what needs the rest of the config (e.g. ``val_frac > 0``); both run
+    before any actor starts.
 
 ``Server`` (driver side, subclass of :class:`Server`)
     Holds the driver-side state (a global model, FedFomo's P, stored uploads) and writes one round
@@ -18,7 +20,7 @@ An algorithm is one module in ``rayfl/algorithms/`` that defines three things an
     Methods named ``step_<name>(client, msg, models)`` run on one :class:`~rayfl.client.Client` (its data,
     model and personal state live in the client, which lives in a long-lived actor). ``models`` is
     ``msg["models"]`` with every handle resolved to a flat float32 numpy vector (a dict name -> vector,
-    a list of vectors, or a dict key -> vector). A step returns a small dict, its *upload*; a vector meant
+    a list of vectors, or a dict key -> vector; an empty list or dict stays present, empty). A step returns a small dict, its *upload*; a vector meant
     to stay in the object store is wrapped with ``client.share(vec)``, which the driver sees as a handle.
     ``step_evaluate`` (default: evaluate ``client.model``) reports the personalized model's metrics.
 
@@ -113,7 +115,7 @@ class Server:
         return None
 
     def state_dict(self) -> dict:
-        """Driver state for checkpoints; handles are resolved by the loop."""
+        """Driver state for checkpoints, as plain arrays: resolve handles with ``self.get`` first."""
         return {}
 
     def load_state_dict(self, state: dict) -> None:
@@ -162,6 +164,8 @@ def _coerce(value: Any, field: dataclasses.Field, algo: str) -> Any:
     default = field.default if field.default is not dataclasses.MISSING else None
     if default is None or type(value) is type(default):
         return value
+    if isinstance(default, tuple) and value in (None, ""):
+        return ()  # `-p lam_grid=` on the command line: an empty grid
     try:
         if isinstance(default, bool):
             if isinstance(value, str):
@@ -178,7 +182,7 @@ def _coerce(value: Any, field: dataclasses.Field, algo: str) -> Any:
         if isinstance(default, str):
             return str(value)
         if isinstance(default, tuple):
-            items = value.split(",") if isinstance(value, str) else list(value)
+            items = [v for v in value.split(",") if v.strip()] if isinstance(value, str) else list(value)
             kind = type(default[0]) if default else float
             return tuple(kind(v) for v in items)
     except (TypeError, ValueError):

@@ -57,6 +57,11 @@ class FedFomoParams:
         if not 0 < self.lr_decay <= 1:
             raise ValueError(f"lr_decay={self.lr_decay}: must be in (0, 1]")
 
+    def check_config(self, cfg) -> None:
+        if cfg.val_frac <= 0:
+            raise ValueError(f"val_frac={cfg.val_frac}: FedFomo weighs models on each client's validation "
+                             f"split, so it must be > 0")
+
 
 # ------------------------------------------------------------------------------------------- the math
 

@@ -88,6 +88,13 @@ class PersFLParams:
         if self.stage1_cache and os.path.exists(self.stage1_cache) and not os.path.isdir(self.stage1_cache):
             raise ValueError(f"stage1_cache={self.stage1_cache!r}: exists and is not a directory")
 
+    def check_config(self, cfg) -> None:
+        if cfg.val_frac <= 0:
+            raise ValueError(f"val_frac={cfg.val_frac}: PersFL picks teachers and (lam, T) on each client's "
+                             f"validation split, so it must be > 0")
+        if cfg.dataset == "sine":
+            raise ValueError("dataset='sine': PersFL distils class logits; it needs a classification dataset")
+
 
 # ------------------------------------------------------------------------------------------- the math
 
