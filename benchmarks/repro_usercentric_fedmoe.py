@@ -11,8 +11,11 @@ FedMoE, majority-class skew p beside Local, FedAvg and FedAvg-FT (Adam, 5 of the
 epochs 3, batch 10 as in the paper; fewer rounds and a larger lr to fit the budget): local test accuracy and
 accuracy on the balanced global test set for FedMoE's own FedAvg / Fine-tuned / Mixture models.
 
-    .venv/bin/python benchmarks/repro_usercentric_fedmoe.py --dataset digits --seeds 0 1 2 \
-        --out benchmarks/results_usercentric_fedmoe.md
+    .venv/bin/python benchmarks/repro_usercentric_fedmoe.py --dataset mnist \
+        --data-root /work/shared/datasets/mnist-t10k --samples-per-client 200 --seeds 0 1 2 \
+        --uc-rounds 30 --moe-rounds 30 --majority 0.5
+
+(the recorded runs, their reading and the n_k ablation: benchmarks/results_usercentric_fedmoe.md)
 """
 
 from __future__ import annotations
@@ -69,17 +72,19 @@ def usercentric_settings(a) -> list[tuple[str, dict, int]]:
 
 
 def bench_usercentric(a, out: list[str]) -> None:
-    out += ["## User-centric FL (paper 003): final-round test accuracy (%), mean ± std over seeds", "",
+    nk = a.uc_sigma_batch or 32
+    out += [f"## User-centric FL (paper 003), sigma batch n_k = {nk}: final-round test accuracy (%), mean ± std "
+            "over seeds", "",
             "| setting | algorithm | mean acc | worst-user acc | streams ARI vs groups | silhouette best k |",
             "|---|---|---|---|---|---|"]
     for name, base, streams in usercentric_settings(a):
-        for algo in ("local", "fedavg", "usercentric"):
+        for algo in a.uc_algos:
             means, worsts, ari, best_k = [], [], [], []
             for seed in a.seeds:
                 t0 = time.perf_counter()
                 vals = {**base, "algo": algo, "seed": seed}
                 if algo == "usercentric":
-                    vals["params"] = {"streams": streams}
+                    vals["params"] = {"streams": streams, "sigma_batch": a.uc_sigma_batch}
                 loop, _ = run(vals)
                 means.append(loop.final["test_acc_mean"])
                 worsts.append(loop.final["test_acc_worst"])
@@ -151,6 +156,8 @@ def main(argv=None) -> None:
     ap.add_argument("--only", choices=("usercentric", "fedmoe"), default=None)
     ap.add_argument("--uc-clients", type=int, default=20)
     ap.add_argument("--uc-rounds", type=int, default=30)
+    ap.add_argument("--uc-algos", nargs="+", default=["local", "fedavg", "usercentric"])
+    ap.add_argument("--uc-sigma-batch", type=int, default=0, help="n_k of eq. (7); 0: the batch size (32)")
     ap.add_argument("--moe-clients", type=int, default=20)
     ap.add_argument("--moe-rounds", type=int, default=40)
     ap.add_argument("--moe-lr", type=float, default=1e-3)

@@ -27,6 +27,7 @@ class Callback:
     """Hooks the loop calls; tracking, Tune reporting and progress display are callbacks."""
 
     def on_start(self, loop: "Loop") -> None: ...
+    def on_setup(self, loop: "Loop") -> None: ...
     def on_round(self, loop: "Loop", record: "RoundRecord") -> None: ...
     def on_end(self, loop: "Loop") -> None: ...
 
@@ -93,6 +94,8 @@ class Loop:
             cb.on_start(self)
         if self.start_step == 0:
             self.setup_metrics = self.server.setup(self.call) or {}
+            for cb in self.callbacks:
+                cb.on_setup(self)
         schedule = self.schedule()
         for step, stage in schedule[self.start_step:]:
             if self.stop_requested:

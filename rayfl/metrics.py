@@ -31,8 +31,9 @@ def summarize(values, weights=None, higher_is_better: bool = True) -> dict[str, 
     }
 
 
-def round_summary(per_client: dict[int, dict], splits=("test", "val")) -> dict[str, float]:
-    """Flat metrics for one round, e.g. ``test_acc_mean``, ``test_loss_worst``, from client records."""
+def round_summary(per_client: dict[int, dict], splits=("test", "val", "global")) -> dict[str, float]:
+    """Flat metrics for one round, e.g. ``test_acc_mean``, ``test_loss_worst``, from client records
+    (``global`` is the balanced held-out set that FedMoE also scores every client on)."""
     cids = sorted(per_client)
     out: dict[str, float] = {}
     for split in splits:

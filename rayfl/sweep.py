@@ -590,7 +590,7 @@ def _progress_callback(metric: str, swept: list[str], quiet: bool):
                   f"[{result.get('stage', '')}] {metric} {shown}", flush=True)
 
         def on_trial_complete(self, iteration, trials, trial, **info):
-            done = sum(t.status in ("TERMINATED", "ERROR") for t in trials)
+            done = 1 + sum(t.status in ("TERMINATED", "ERROR") for t in trials if t is not trial)
             print(f"trial {trial.trial_id} done ({done}/{len(trials)} finished): {self._label(trial)}", flush=True)
 
         def on_trial_error(self, iteration, trials, trial, **info):
@@ -715,6 +715,9 @@ def _parent_run(meta: dict):
 def cmd_tune(args) -> int:
     os.environ.setdefault("RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS", "0")
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+    # Ctrl-C reaches us as KeyboardInterrupt (Tune's own handler would end fit() as if the sweep were done);
+    # Tune has saved its state by then, and --resume goes on from it.
+    os.environ.setdefault("TUNE_DISABLE_SIGINT_HANDLER", "1")
     if args.resume:
         meta = _load_meta(args.resume)
     else:

@@ -112,8 +112,12 @@ class MlflowTracker(Callback):
             os.makedirs(loop.checkpoint_dir, exist_ok=True)
             with open(resume_file, "w") as f:
                 f.write(self.run_id)
+
+    def on_setup(self, loop) -> None:
+        import mlflow
+
         if loop.setup_metrics:
-            mlflow.log_metrics(numeric(loop.setup_metrics), step=0)
+            mlflow.log_metrics({f"setup/{k}": v for k, v in numeric(loop.setup_metrics).items()}, step=0)
 
     def on_round(self, loop, record) -> None:
         import mlflow

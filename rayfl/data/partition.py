@@ -162,30 +162,33 @@ def _fill_groups(pool, pool_group, group_of, weights, rng) -> list[np.ndarray]:
 
 
 def majority(cfg, pool, y, weights, rng, num_classes):
-    """FedMoE's majority-class skew: each client's majority class takes fraction cfg.majority of its samples,
-    the rest spread evenly over the other classes. The paper uses two majority classes sharing p (spec 001
-    §7.1); here one class holds p, as this platform defines it. Majority classes are dealt largest client
-    first to the class with the least demand so far; where a class is still over-demanded, the clients
-    holding it as majority shrink (then all clients, if needed), so the fraction holds up to rounding."""
+    """FedMoE's majority-class skew (spec 001 §7.1): each client has two majority classes that together
+    take fraction cfg.majority of its samples (p/2 each), the rest spread evenly over the other classes;
+    p = 2/C is iid. The pair is two distinct classes (the paper says "two majority classes"; its code's
+    ordered pairs also allow (c, c)), dealt largest client first to the classes with the least demand so
+    far. Where a class is over-demanded, the clients holding it as majority shrink (then all clients, if
+    needed), so the fraction holds up to rounding."""
     p, k = cfg.majority, cfg.clients
     labels = y[pool]
     by_class = [rng.permutation(pool[labels == c]) for c in range(num_classes)]
     avail = np.array([len(b) for b in by_class])
     totals = counts_from_weights(len(pool), weights)
     load = np.zeros(num_classes)
-    major = np.zeros(k, dtype=np.int64)
+    n_major = min(2, num_classes)
+    major = np.zeros((k, n_major), dtype=np.int64)
     for i in np.argsort(-totals, kind="stable"):
-        major[i] = np.lexsort((rng.random(num_classes), load))[0]
-        load[major[i]] += totals[i] / max(avail[major[i]], 1)
+        major[i] = np.lexsort((rng.random(num_classes), load))[:n_major]
+        load[major[i]] += totals[i] / n_major / np.maximum(avail[major[i]], 1)
 
     def demand(totals):
         d = np.zeros((k, num_classes), dtype=np.int64)
         for i in range(k):
-            n_major = int(round(p * totals[i]))
-            others = np.delete(np.arange(num_classes), major[i])
-            even = np.diff(np.linspace(0, totals[i] - n_major, len(others) + 1).round().astype(np.int64))
-            d[i, major[i]] = n_major
-            d[i, others] = np.roll(even, i)  # spread the rounding remainder over different classes
+            n_maj = int(round(p * totals[i]))
+            others = np.setdiff1d(np.arange(num_classes), major[i])
+            d[i, major[i]] = np.diff(np.linspace(0, n_maj, n_major + 1).round().astype(np.int64))
+            if len(others):
+                even = np.diff(np.linspace(0, totals[i] - n_maj, len(others) + 1).round().astype(np.int64))
+                d[i, others] = np.roll(even, i)  # spread the rounding remainder over different classes
         return d
 
     d = demand(totals)
@@ -193,7 +196,8 @@ def majority(cfg, pool, y, weights, rng, num_classes):
         ratio = d.sum(0) / np.maximum(avail, 1)
         if ratio.max() <= 1:
             break
-        shrink = np.where(ratio[major] > 1, ratio[major], 1.0) if step < 30 else np.full(k, ratio.max())
+        worst = ratio[major].max(axis=1)
+        shrink = np.where(worst > 1, worst, 1.0) if step < 30 else np.full(k, ratio.max())
         totals = np.maximum(1, np.floor(totals / shrink * 0.999).astype(np.int64))
         d = demand(totals)
     if (d.sum(0) > avail).any():
