@@ -26,7 +26,7 @@ def launch(prepared, tracking: dict, checkpoint_dir: str | None = None,
     if resources is None:
         resources = plan_actor_resources(cfg, n_actors, ray.cluster_resources())
         try:
-            check_fits(resources, n_actors, ray.cluster_resources())
+            check_fits(resources, n_actors, ray.cluster_resources(), cfg.clients)
         except UserError as e:
             if not cluster_may_grow:
                 raise

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 DRIVER_CPUS = 0.05  # the driver actor mostly waits on its clients
+ACTOR_MEMORY = 0.5 * 2**30  # a process that imports torch: ~470 MiB unique memory, measured (notes §5)
 
 
 @dataclass(frozen=True)
@@ -46,8 +47,9 @@ def plan_actor_resources(cfg, n_actors: int, cluster: dict) -> ActorResources:
     return ActorResources(round(cpus, 4), round(gpus, 4))
 
 
-def check_fits(res: ActorResources, n_actors: int, cluster: dict) -> None:
-    """A request the cluster cannot hold would wait forever: say so instead, before any actor starts."""
+def check_fits(res: ActorResources, n_actors: int, cluster: dict, n_clients: int | None = None) -> None:
+    """A request the cluster cannot hold would wait forever, or end in Ray's out-of-memory killer: say so
+    instead, before any actor starts."""
     from rayfl.config import UserError
 
     for kind, per in (("CPU", res.num_cpus), ("GPU", res.num_gpus)):
@@ -57,3 +59,10 @@ def check_fits(res: ActorResources, n_actors: int, cluster: dict) -> None:
             flag = "cpus_per_actor" if kind == "CPU" else "gpus_per_actor"
             raise UserError(f"{flag}={per:g} x {n_actors} client actors needs {need:g} {kind}s, the cluster has "
                             f"{have:g}; lower it, or raise clients_per_actor")
+    memory = float(cluster.get("memory", 0.0))
+    if memory and n_actors * ACTOR_MEMORY > memory:
+        fit = max(1, int(memory // ACTOR_MEMORY))
+        hint = f" (at most {fit} actors fit: clients_per_actor >= {-(-n_clients // fit)})" if n_clients else ""
+        raise UserError(f"{n_actors} client actors need about {n_actors * ACTOR_MEMORY / 2**30:.0f} GiB "
+                        f"(0.5 GiB each with torch), the cluster offers {memory / 2**30:.0f} GiB; "
+                        f"raise clients_per_actor{hint}")

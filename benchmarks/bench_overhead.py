@@ -25,7 +25,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from rayfl.config import make_config  # noqa: E402
+from actors.resources import ActorResources, check_fits  # noqa: E402
+from rayfl.config import UserError, make_config  # noqa: E402
 from rayfl.experiment import prepare  # noqa: E402
 from rayfl.training import load_vector, loss_fn_for, make_optimizer, to_vector, train_epochs, weighted_average  # noqa: E402
 
@@ -134,6 +135,12 @@ def main() -> None:
                                      "clients": n, "rounds": args.rounds, "eval_every": 10_000, "lr": 0.05,
                                      "clients_per_actor": per_actor, "torch_threads": 1})
             prepared = prepare(cfg)
+            n_actors = -(-n // per_actor)
+            try:
+                check_fits(ActorResources(0.01, 0.0), n_actors, {"CPU": cpus, "memory": 0.7 * psutil.virtual_memory().available}, n)
+            except UserError as e:
+                print(f"| {n} | {per_actor} | {n_actors} | - | does not fit: {e} | | | | |", flush=True)
+                continue
             with PeakMemory() as plain_mem:
                 plain = plain_loop(prepared, args.rounds)
             ray.init(address="local", num_cpus=cpus, include_dashboard=False, logging_level="ERROR")
@@ -145,7 +152,6 @@ def main() -> None:
             # The first round of each side is left out (warm caches); medians resist the shared machine.
             p, r = statistics.median(plain[1:]), statistics.median(rounds_s[1:])
             w = statistics.median(wall[1:]) if len(wall) > 1 else float("nan")
-            n_actors = -(-n // per_actor)
             print(f"| {n} | {per_actor} | {n_actors} | {p:.3f} | {r:.3f} | {r / p:.2f}x | {w:.3f} | "
                   f"{plain_mem.peak / 2**20:.0f} | {ray_mem.peak / 2**20:.0f} |", flush=True)
 

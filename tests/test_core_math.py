@@ -134,6 +134,9 @@ def test_requests_the_cluster_cannot_hold_are_user_errors():
         check_fits(ActorResources(1.0, 0.0), 3, {"CPU": 2.0})
     with pytest.raises(UserError, match="gpus_per_actor=0.5 x 2 client actors needs 1 GPUs, the cluster has 0"):
         check_fits(ActorResources(0.1, 0.5), 2, {"CPU": 2.0})
+    with pytest.raises(UserError, match=r"100 client actors need about 50 GiB .* clients_per_actor >= 4"):
+        check_fits(ActorResources(0.01, 0.0), 100, {"CPU": 2.0, "memory": 16 * 2**30}, n_clients=100)
+    check_fits(ActorResources(0.01, 0.0), 25, {"CPU": 2.0, "memory": 16 * 2**30}, n_clients=100)
 
 
 def test_host_resolves_every_named_handle_in_one_batch():
