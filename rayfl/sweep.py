@@ -826,6 +826,16 @@ def _run(meta: dict, args, resume: bool) -> int:
     if any(need.get(k, 0.0) > cluster.get(k, 0.0) + 1e-9 for k in need):
         raise UserError(f"one trial needs {need} but the cluster has {cluster}: lower --cpus-per-actor / "
                         f"--gpus-per-actor or raise --clients-per-actor")
+    from actors import resources as actor_resources
+
+    per_process = getattr(actor_resources, "ACTOR_MEMORY", 0.5 * 2**30)  # a process that imports torch
+    memory = float(ray.cluster_resources().get("memory", 0.0))
+    processes = meta["max_concurrent"] * len(base_bundles)  # trial, driver and client actors, all with torch
+    if memory and processes * per_process > memory:
+        fit = max(1, int(memory // (per_process * len(base_bundles))))
+        raise UserError(f"{meta['max_concurrent']} trials at once x {len(base_bundles)} processes each need about "
+                        f"{processes * per_process / 2**30:.0f} GiB, the cluster offers {memory / 2**30:.0f} GiB: "
+                        f"--max-concurrent {fit} (or raise --clients-per-actor)")
     client = _parent_run(meta)
     if not resume:
         parent = client.create_run(meta["experiment_id"], run_name=meta["name"],
@@ -890,16 +900,22 @@ def _run(meta: dict, args, resume: bool) -> int:
 
 
 def _close_children(client, meta: dict) -> None:
-    """Child runs of trials stopped early (ASHA) or interrupted are still RUNNING: mark them KILLED."""
+    """Child runs of trials the scheduler stopped early end as FAILED (their actors went with the trial's
+    placement group) and those of an interrupted sweep stay RUNNING: mark both KILLED, and say why."""
     try:
         runs = client.search_runs([meta["experiment_id"]],
                                   filter_string=f"tags.mlflow.parentRunId = '{meta['parent_run_id']}'",
                                   max_results=10_000)
     except Exception:  # noqa: BLE001 - tidying must not hide the real outcome
         return
+    stopped = set(meta.get("stopped_trials", ()))
     for run in runs:
-        if run.info.status == "RUNNING":
-            client.set_tag(run.info.run_id, "rayfl.stopped", "early (scheduler) or interrupted")
+        trial = run.data.params.get("tune_trial_id")
+        if trial in stopped and run.info.status in ("FAILED", "RUNNING"):
+            client.set_tag(run.info.run_id, "rayfl.stopped", f"early, by the {meta['scheduler']} scheduler")
+            client.set_terminated(run.info.run_id, "KILLED")
+        elif run.info.status == "RUNNING":
+            client.set_tag(run.info.run_id, "rayfl.stopped", "sweep interrupted (see --resume)")
             client.set_terminated(run.info.run_id, "KILLED")
 
 
@@ -911,7 +927,7 @@ def results_table(results, meta: dict):
     metric = meta["metric"]
     for r in results:
         m = r.metrics or {}
-        row = {"trial": m.get("trial_id") or os.path.basename(str(r.path)).split("_")[-2:][0]}
+        row = {"trial": m.get("trial_id") or os.path.basename(str(r.path))}
         row.update({k: (r.config or {}).get(k) for k in meta["swept"]})
         row["status"] = "ERROR" if r.error else ("DONE" if m.get("mlflow_run_id") else "STOPPED")
         row["rounds"] = m.get("round")
@@ -934,6 +950,7 @@ def _finish(meta: dict, results, client) -> int:
     from rayfl.plots import metric_vs_knob
 
     df = results_table(results, meta)
+    meta["stopped_trials"] = list(df.trial[df.status == "STOPPED"]) if len(df) else []
     run_id, metric = meta["parent_run_id"], meta["metric"]
     path = os.path.join(meta["sweep_dir"], "results.csv")
     df.to_csv(path, index=False)
