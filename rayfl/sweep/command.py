@@ -1,0 +1,419 @@
+"""The ``rayfl tune`` command: its parser, :func:`cmd_tune`, running the Tuner, and the end of a sweep.
+
+MLflow: the sweep process creates the parent run; every trial's driver opens a child run with
+``parent_run_id``; at the end the parent gets the results table (CSV) and a plot of the metric against each
+swept knob.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import yaml
+
+from rayfl.config import FIELDS, UserError, make_config, read_yaml
+from rayfl.sweep.placement import TRIAL_CPUS, _bundles_for, _pg_factory, bundle_total
+from rayfl.sweep.progress import _progress_callback
+from rayfl.sweep.space import Plan, Space, find_space_file, load_space, plan_sweep, validate_space
+from rayfl.sweep.stage1 import STAGE1_FREE, warm_stage1
+from rayfl.sweep.trial import run_trial
+
+SEARCHES = ("grid", "random", "optuna")
+SCHEDULERS = ("fifo", "asha")
+SWEEP_FILE = "rayfl_sweep.json"
+
+
+# --------------------------------------------------------------------------------------------------
+# The command
+# --------------------------------------------------------------------------------------------------
+def add_tune_parser(subparsers, add_config_arguments) -> None:
+    p = subparsers.add_parser(
+        "tune", help="sweep an algorithm's hyperparameters with Ray Tune",
+        description="A Ray Tune sweep over tune_spaces/<algo>.yaml (or --space FILE); flags fix the rest of the "
+                    "experiment as in `rayfl run`. Every trial is one experiment and one MLflow child run under "
+                    "the sweep's parent run.")
+    add_config_arguments(p)
+    g = p.add_argument_group("sweep")
+    g.add_argument("--space", metavar="FILE", help="search space YAML (default: tune_spaces/<algo>.yaml)")
+    g.add_argument("--search", choices=SEARCHES, default="grid",
+                   help="grid: every grid point (x --num-samples draws of the random keys); random: --num-samples "
+                        "draws (grid lists become choices); optuna: model-based, needs `pip install optuna` "
+                        "(runs offline)")
+    g.add_argument("--num-samples", type=int, default=None, metavar="N",
+                   help="grid: repeats of the grid (default 1); random/optuna: trials (default 10)")
+    g.add_argument("--max-concurrent", type=int, default=None, metavar="N",
+                   help="trials at once; each gets cluster/N of the CPUs and GPUs (default: as many as fit one "
+                        "torch thread per client actor)")
+    g.add_argument("--scheduler", choices=SCHEDULERS, default="fifo",
+                   help="asha: stop poor trials early on the per-round metric")
+    g.add_argument("--grace-period", type=int, default=None, metavar="ROUNDS",
+                   help="ASHA: rounds before a trial may be stopped (default: rounds/4, at least 1)")
+    g.add_argument("--metric", default=None,
+                   help="metric to optimize (default: val_acc_mean; val_loss_mean for regression); never a test metric")
+    g.add_argument("--mode", choices=("max", "min"), default=None, help="default: min for losses, else max")
+    g.add_argument("--name", help="sweep name (default: <algo>-sweep-<time>)")
+    g.add_argument("--storage-path", metavar="DIR",
+                   help="where Tune keeps the sweep (default: <out-dir>/tune); shared storage on multi-node clusters")
+    g.add_argument("--resume", metavar="DIR", help="go on with an interrupted sweep (its directory)")
+    g.add_argument("--no-stage1-reuse", action="store_true",
+                   help="PersFL: recompute stage 1 in every trial instead of sharing it across (lam, T)")
+    g.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else a new local instance)")
+    g.add_argument("--quiet", action="store_true", help="no per-round progress lines")
+    p.set_defaults(handler=cmd_tune)
+
+
+def _arg_values(args) -> tuple[dict, dict, dict]:
+    from rayfl.cli import _parse_scalar
+
+    file_values = read_yaml(args.config) if args.config else {}
+    flag_values = {k: v for k, v in vars(args).items() if k in FIELDS and k != "params"}
+    flag_params = {}
+    for item in args.param:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UserError(f"--param {item!r}: expected KEY=VALUE")
+        flag_params[key.strip()] = _parse_scalar(value.strip())
+    return file_values, flag_values, flag_params
+
+
+def _default_metric(task: str, metric: str | None, mode: str | None) -> tuple[str, str]:
+    metric = metric or ("val_loss_mean" if task == "regression" else "val_acc_mean")
+    if metric.startswith("test_") or metric.startswith("final_test"):
+        raise UserError(f"--metric {metric}: hyperparameters are selected on validation, never on test "
+                        f"(use val_acc_mean, val_loss_mean, ...)")
+    return metric, mode or ("min" if "loss" in metric else "max")
+
+
+def _search_space(plan: Plan, search: str) -> dict:
+    from ray import tune
+
+    space: dict[str, Any] = {}
+    for key, values in plan.space.grid.items():
+        space[key] = tune.grid_search(values) if search == "grid" else tune.choice(values)
+    for key, (kind, args) in plan.space.random.items():
+        if kind == "choice":
+            space[key] = tune.choice(list(args))
+        elif kind == "randint":
+            space[key] = tune.randint(int(args[0]), int(args[1]) + 1)
+        elif kind == "quniform":
+            space[key] = tune.quniform(*args)
+        else:
+            space[key] = getattr(tune, kind)(*args)
+    return space
+
+
+def _search_alg(search: str, seed: int, max_concurrent: int, metric: str, mode: str):
+    from ray.tune.search import ConcurrencyLimiter
+    from ray.tune.search.basic_variant import BasicVariantGenerator
+
+    if search == "optuna":
+        try:
+            import optuna  # noqa: F401
+        except ImportError:
+            raise UserError("--search optuna: optuna is not installed (`pip install optuna`; it then runs "
+                            "offline). Without it: --search grid or --search random") from None
+        from ray.tune.search.optuna import OptunaSearch
+
+        return ConcurrencyLimiter(OptunaSearch(seed=seed), max_concurrent=max_concurrent)
+    return BasicVariantGenerator(random_state=seed, max_concurrent=max_concurrent)
+
+
+def _scheduler(kind: str, metric: str, mode: str, grace: int):
+    if kind == "fifo":
+        return None
+    from ray.tune.schedulers import ASHAScheduler
+
+    # max_t only caps: every trial ends by itself after its last round; rungs at grace * 4^k rounds.
+    return ASHAScheduler(time_attr="training_iteration", max_t=100_000,
+                         grace_period=grace, reduction_factor=4)
+
+
+def _parent_run(meta: dict):
+    import mlflow
+    from mlflow import MlflowClient
+
+    mlflow.set_tracking_uri(meta["tracking_uri"])
+    return MlflowClient(meta["tracking_uri"])
+
+
+def cmd_tune(args) -> int:
+    os.environ.setdefault("RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS", "0")
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+    # Ctrl-C reaches us as KeyboardInterrupt (Tune's own handler would end fit() as if the sweep were done);
+    # Tune has saved its state by then, and --resume goes on from it.
+    os.environ.setdefault("TUNE_DISABLE_SIGINT_HANDLER", "1")
+    if args.resume:
+        meta = _load_meta(args.resume)
+    else:
+        meta = _new_sweep(args)
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        from rayfl.cli import init_ray
+
+        init_ray(args.address)
+    try:
+        return _run(meta, args, resume=bool(args.resume))
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _load_meta(sweep_dir: str) -> dict:
+    path = os.path.join(sweep_dir, SWEEP_FILE)
+    if not os.path.isfile(path):
+        raise UserError(f"--resume {sweep_dir!r}: no {SWEEP_FILE} there (not a rayfl sweep directory)")
+    with open(path) as f:
+        meta = json.load(f)
+    meta["sweep_dir"] = os.path.abspath(sweep_dir)
+    return meta
+
+
+def _new_sweep(args) -> dict:
+    """Everything decided and checked before Ray starts: values, space, metric, resources, MLflow parent."""
+    from rayfl.experiment import prepare
+    from rayfl.tracking import ensure_experiment, resolve_tracking_uri
+
+    file_values, flag_values, flag_params = _arg_values(args)
+    algo = flag_values.get("algo") or file_values.get("algo")
+    space_path = args.space or find_space_file(algo or FIELDS["algo"].default)
+    space = load_space(space_path)
+    plan = plan_sweep(space, file_values, flag_values, flag_params)
+    n_grid = validate_space(plan)
+    for note in plan.notes:
+        print(f"rayfl tune: note: {note}", flush=True)
+    if plan.base.get("data_root"):  # trials run in their own directories: relative paths would break there
+        plan.base["data_root"] = os.path.abspath(os.path.expanduser(plan.base["data_root"]))
+    base_cfg = plan.config({})
+    prepared = prepare(base_cfg)  # data errors (a missing data root, ...) before any trial; gives the task
+    metric, mode = _default_metric(prepared.info.task, args.metric, args.mode)
+    search = args.search
+    num_samples = args.num_samples or (1 if search == "grid" else 10)
+    if num_samples < 1:
+        raise UserError(f"--num-samples {num_samples}: must be >= 1")
+    n_trials = n_grid * num_samples if search == "grid" else num_samples
+    if search == "optuna":
+        _search_alg("optuna", 0, 1, metric, mode)  # fails here, before anything starts, if optuna is missing
+    name = args.name or f"{plan.algo}-sweep-{time.strftime('%Y%m%d-%H%M%S')}"
+    storage = os.path.abspath(args.storage_path or os.path.join(base_cfg.out_dir, "tune"))
+    sweep_dir = os.path.join(storage, name)
+    if os.path.exists(os.path.join(sweep_dir, SWEEP_FILE)):
+        raise UserError(f"sweep {sweep_dir} exists; resume it with --resume {sweep_dir}, or pick another --name")
+    uri = resolve_tracking_uri(base_cfg.tracking_uri)
+    reuse = plan.algo in STAGE1_FREE and "stage1_cache" in plan.knobs and not args.no_stage1_reuse
+    stage1_root = None
+    if reuse:
+        stage1_root = plan.base["params"].get("stage1_cache") or os.path.join(sweep_dir, "stage1")
+        stage1_root = os.path.abspath(stage1_root)
+    return {"name": name, "storage": storage, "sweep_dir": sweep_dir, "algo": plan.algo, "base": plan.base,
+            "space": plan.space.to_dict(), "space_path": os.path.abspath(space_path), "swept": plan.space.swept(),
+            "knobs": plan.knobs, "metric": metric, "mode": mode, "search": search, "num_samples": num_samples,
+            "n_trials": n_trials, "max_concurrent": args.max_concurrent, "scheduler": args.scheduler,
+            "grace_period": args.grace_period or max(1, base_cfg.rounds // 4), "seed": base_cfg.seed,
+            "tracking_uri": uri, "experiment": base_cfg.experiment,
+            "experiment_id": ensure_experiment(uri, base_cfg.experiment), "stage1_root": stage1_root,
+            "parent_run_id": None}
+
+
+def _plan_from_meta(meta: dict) -> Plan:
+    sp = meta["space"]
+    space = Space(meta["space_path"], fixed=sp["fixed"], grid=sp["grid"],
+                  random={k: next(iter(v.items())) for k, v in sp["random"].items()})
+    return Plan(meta["algo"], meta["base"], space, meta["knobs"])
+
+
+def _default_concurrency(meta: dict, cluster: dict) -> int:
+    from actors.resources import DRIVER_CPUS
+    from rayfl.runtime import assign_hosts
+
+    cfg = make_config(None, meta["base"])
+    n_actors = len(assign_hosts(cfg.clients, cfg.clients_per_actor))
+    per_trial = TRIAL_CPUS + DRIVER_CPUS + n_actors * (cfg.cpus_per_actor or cfg.torch_threads)
+    return max(1, min(meta["n_trials"], int(cluster.get("CPU", 1.0) // per_trial)))
+
+
+def _run(meta: dict, args, resume: bool) -> int:
+    import ray
+    from mlflow.entities import Param
+    from ray import tune
+
+    cluster = {k: float(v) for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
+    if not resume:
+        meta["max_concurrent"] = meta["max_concurrent"] or _default_concurrency(meta, cluster)
+        if meta["max_concurrent"] < 1:
+            raise UserError(f"--max-concurrent {meta['max_concurrent']}: must be >= 1")
+        meta["share"] = {k: v / meta["max_concurrent"] for k, v in cluster.items()}
+    share, plan = meta["share"], _plan_from_meta(meta)
+    base_bundles = _bundles_for({}, meta["base"], share)
+    need = bundle_total(base_bundles)
+    if any(need.get(k, 0.0) > cluster.get(k, 0.0) + 1e-9 for k in need):
+        raise UserError(f"one trial needs {need} but the cluster has {cluster}: lower --cpus-per-actor / "
+                        f"--gpus-per-actor or raise --clients-per-actor")
+    from actors import resources as actor_resources
+
+    per_process = getattr(actor_resources, "ACTOR_MEMORY", 0.5 * 2**30)  # a process that imports torch
+    memory = float(ray.cluster_resources().get("memory", 0.0))
+    processes = meta["max_concurrent"] * len(base_bundles)  # trial, driver and client actors, all with torch
+    if memory and processes * per_process > memory:
+        fit = max(1, int(memory // (per_process * len(base_bundles))))
+        raise UserError(f"{meta['max_concurrent']} trials at once x {len(base_bundles)} processes each need about "
+                        f"{processes * per_process / 2**30:.0f} GiB, the cluster offers {memory / 2**30:.0f} GiB: "
+                        f"--max-concurrent {fit} (or raise --clients-per-actor)")
+    client = _parent_run(meta)
+    if not resume:
+        parent = client.create_run(meta["experiment_id"], run_name=meta["name"],
+                                   tags={"rayfl.sweep": meta["name"], "rayfl.kind": "sweep"})
+        meta["parent_run_id"] = parent.info.run_id
+        params = {"algo": meta["algo"], "search": meta["search"], "scheduler": meta["scheduler"],
+                  "metric": meta["metric"], "mode": meta["mode"], "num_samples": meta["num_samples"],
+                  "n_trials": meta["n_trials"], "max_concurrent": meta["max_concurrent"],
+                  "swept": ",".join(meta["swept"]), "space_file": meta["space_path"],
+                  "trial_bundles": json.dumps(base_bundles), "stage1_reuse": bool(meta["stage1_root"])}
+        client.log_batch(meta["parent_run_id"], params=[Param(k, str(v)) for k, v in params.items()])
+        client.log_text(meta["parent_run_id"], yaml.safe_dump(meta["space"], sort_keys=False), "space.yaml")
+        client.log_text(meta["parent_run_id"], yaml.safe_dump(meta["base"], sort_keys=False), "base_config.yaml")
+        os.makedirs(meta["sweep_dir"], exist_ok=True)
+        with open(os.path.join(meta["sweep_dir"], SWEEP_FILE), "w") as f:
+            json.dump(meta, f, indent=1, default=str)
+    else:
+        client.update_run(meta["parent_run_id"], status="RUNNING")
+    print(f"rayfl tune: {meta['algo']}, {meta['n_trials']} trial(s) over {', '.join(meta['swept']) or 'nothing'} "
+          f"({meta['search']}, {meta['scheduler']}), {meta['max_concurrent']} at once, each "
+          f"{bundle_total(base_bundles)} in {len(base_bundles)} bundles; optimizing {meta['metric']} ({meta['mode']})",
+          flush=True)
+    print(f"rayfl tune: sweep directory {meta['sweep_dir']} (resume with --resume {meta['sweep_dir']}); "
+          f"MLflow parent run {meta['parent_run_id']}", flush=True)
+
+    ctx = {k: meta[k] for k in ("base", "name", "metric", "swept", "tracking_uri", "experiment_id",
+                                 "parent_run_id", "stage1_root", "sweep_dir")}
+    trainable = tune.with_resources(tune.with_parameters(run_trial, ctx=ctx),
+                                    functools.partial(_pg_factory, base=meta["base"], share=share))
+    progress = _progress_callback(meta["metric"], meta["swept"], args.quiet)
+    run_config = tune.RunConfig(name=meta["name"], storage_path=meta["storage"], verbose=0, callbacks=[progress],
+                                failure_config=tune.FailureConfig(max_failures=0))
+    status = "FAILED"
+    try:
+        if meta["stage1_root"]:
+            warm_stage1(meta, plan, args.quiet)
+        if resume:
+            tuner = tune.Tuner.restore(meta["sweep_dir"], trainable, resume_unfinished=True, restart_errored=True,
+                                       param_space=_search_space(plan, meta["search"]))
+        else:
+            tuner = tune.Tuner(
+                trainable, param_space=_search_space(plan, meta["search"]),
+                tune_config=tune.TuneConfig(
+                    metric=meta["metric"], mode=meta["mode"],
+                    num_samples=meta["num_samples"],
+                    search_alg=_search_alg(meta["search"], meta["seed"], meta["max_concurrent"], meta["metric"],
+                                           meta["mode"]),
+                    scheduler=_scheduler(meta["scheduler"], meta["metric"], meta["mode"], meta["grace_period"]),
+                    max_concurrent_trials=meta["max_concurrent"]),
+                run_config=run_config)
+        results = tuner.fit()
+        code = _finish(meta, results, client)
+        status = "FINISHED" if code == 0 else "FAILED"
+        return code
+    except KeyboardInterrupt:
+        status = "KILLED"
+        print(f"rayfl tune: interrupted; go on with: rayfl tune --resume {meta['sweep_dir']}", file=sys.stderr)
+        return 130
+    finally:
+        _close_children(client, meta)
+        client.set_terminated(meta["parent_run_id"], status)
+
+
+def _close_children(client, meta: dict) -> None:
+    """Child runs of trials the scheduler stopped early end as FAILED (their actors went with the trial's
+    placement group) and those of an interrupted sweep stay RUNNING: mark both KILLED, and say why."""
+    try:
+        runs = client.search_runs([meta["experiment_id"]],
+                                  filter_string=f"tags.mlflow.parentRunId = '{meta['parent_run_id']}'",
+                                  max_results=10_000)
+    except Exception:  # noqa: BLE001 - tidying must not hide the real outcome
+        return
+    stopped = set(meta.get("stopped_trials", ()))
+    for run in runs:
+        trial = run.data.params.get("tune_trial_id")
+        if trial in stopped and run.info.status in ("FAILED", "RUNNING"):
+            client.set_tag(run.info.run_id, "rayfl.stopped", f"early, by the {meta['scheduler']} scheduler")
+            client.set_terminated(run.info.run_id, "KILLED")
+        elif run.info.status == "RUNNING":
+            client.set_tag(run.info.run_id, "rayfl.stopped", "sweep interrupted (see --resume)")
+            client.set_terminated(run.info.run_id, "KILLED")
+
+
+def results_table(results, meta: dict):
+    """One row per trial: status, swept values, rounds done, the last reported metrics, its MLflow run."""
+    import pandas as pd
+
+    rows = []
+    metric = meta["metric"]
+    for r in results:
+        m = r.metrics or {}
+        row = {"trial": m.get("trial_id") or os.path.basename(str(r.path))}
+        row.update({k: (r.config or {}).get(k) for k in meta["swept"]})
+        row["status"] = "ERROR" if r.error else ("DONE" if m.get("mlflow_run_id") else "STOPPED")
+        row["rounds"] = m.get("round")
+        for key in (metric, "val_acc_mean", "val_loss_mean", "test_acc_mean", "test_acc_std", "test_loss_mean"):
+            if key in m and key not in row:
+                row[key] = m[key]
+        row["seconds"] = m.get("trial_seconds", m.get("time_total_s"))
+        row["mlflow_run_id"] = m.get("mlflow_run_id")
+        rows.append(row)
+    df = pd.DataFrame(rows)
+    if metric in df:
+        df = df.sort_values(metric, ascending=meta["mode"] == "min", na_position="last")
+    return df.reset_index(drop=True)
+
+
+def _finish(meta: dict, results, client) -> int:
+    import pandas as pd
+
+    from rayfl.cli import summary_table
+    from rayfl.plots import metric_vs_knob
+
+    df = results_table(results, meta)
+    meta["stopped_trials"] = list(df.trial[df.status == "STOPPED"]) if len(df) else []
+    run_id, metric = meta["parent_run_id"], meta["metric"]
+    path = os.path.join(meta["sweep_dir"], "results.csv")
+    df.to_csv(path, index=False)
+    client.log_artifact(run_id, path, "results")
+    if metric in df:
+        for knob in meta["swept"]:
+            sub = df[[knob, metric]].dropna()
+            if len(sub):
+                if not all(isinstance(v, (int, float)) for v in sub[knob]):
+                    sub = sub.assign(**{knob: sub[knob].map(str)})
+                client.log_figure(run_id, metric_vs_knob(sub, knob, metric), f"plots/{metric}_vs_{knob}.png")
+    errors = int(sum(1 for r in results if r.error))
+    with pd.option_context("display.width", 200, "display.max_columns", 30):
+        print("\nsweep results (" + ("best first" if metric in df else "no trial reported the metric") + "):")
+        print(df.drop(columns=["mlflow_run_id"]).to_string(index=False, float_format=lambda v: f"{v:.4f}"))
+    try:
+        best = results.get_best_result(metric=metric, mode=meta["mode"], scope="last")
+    except RuntimeError:
+        best = None
+    if best is None or not best.metrics or metric not in best.metrics:
+        print(f"\nrayfl tune: no trial reported {metric}; {errors} trial(s) failed", file=sys.stderr)
+        return 1
+    chosen = {k: best.config.get(k) for k in meta["swept"]}
+    client.log_dict(run_id, {"best": chosen, metric: best.metrics[metric],
+                             "mlflow_run_id": best.metrics.get("mlflow_run_id")}, "best.json")
+    client.log_metric(run_id, f"best_{metric}", float(best.metrics[metric]))
+    for k, v in chosen.items():
+        client.set_tag(run_id, f"best.{k}", str(v))
+    print(f"\nbest ({metric} {best.metrics[metric]:.4f}, final round): "
+          + ", ".join(f"{k}={v}" for k, v in chosen.items()))
+    print(summary_table(best.metrics))
+    print(f"\nMLflow: parent run {run_id} in experiment {meta['experiment']!r} at {meta['tracking_uri']}, "
+          f"{len(df)} child run(s)")
+    print(f"look at it: mlflow ui --backend-store-uri {meta['tracking_uri']}   (then open http://127.0.0.1:5000)")
+    if errors:
+        print(f"rayfl tune: {errors} trial(s) failed; see {meta['sweep_dir']}", file=sys.stderr)
+    return 0

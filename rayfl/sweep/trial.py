@@ -1,0 +1,89 @@
+"""The trial (:func:`run_trial`): one trial is one experiment, run inside the trial's placement group. Each
+round is a ``tune.report``; the last one is held back until the experiment (and its MLflow child run) has
+finished, since under ASHA nothing after the final report is sure to run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from rayfl.config import FIELDS, make_config
+from rayfl.sweep.placement import bundle_total
+from rayfl.sweep.stage1 import Stage1Lock, stage1_key, stage1_ready
+
+
+# --------------------------------------------------------------------------------------------------
+# The trial: one experiment inside the trial's placement group
+# --------------------------------------------------------------------------------------------------
+def run_trial(config: dict, ctx: dict) -> None:
+    from ray import tune
+    from ray.util import get_current_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from actors.launch import launch
+    from actors.resources import ActorResources
+    from rayfl.experiment import prepare
+    from rayfl.tracking import numeric
+
+    trial_id = tune.get_context().get_trial_id()
+    values = {k: (dict(v) if k == "params" else v) for k, v in ctx["base"].items()}
+    for key, value in config.items():
+        if key in FIELDS:
+            values[key] = value
+        else:
+            values.setdefault("params", {})[key] = value
+    algo = values["algo"]
+    lock = None
+    if ctx.get("stage1_root"):
+        cache = os.path.join(ctx["stage1_root"], stage1_key(values, algo))
+        values["params"]["stage1_cache"] = cache
+        lock = Stage1Lock(cache)
+    cfg = make_config(None, values)
+    prepared = prepare(cfg)
+
+    pg = get_current_placement_group()
+    bundles = pg.bundle_specs
+    n_actors = len(bundles) - 2
+    actor = bundles[2]
+    resources = ActorResources(float(actor.get("CPU", 0.0)), float(actor.get("GPU", 0.0)))
+    pin = lambda i: {"scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)}  # noqa: E731
+    swept = {k: config[k] for k in ctx["swept"] if k in config}
+    label = " ".join(f"{k}={v}" for k, v in swept.items())
+    tracking = {"tracking_uri": ctx["tracking_uri"], "experiment_id": ctx["experiment_id"],
+                "parent_run_id": ctx["parent_run_id"], "run_name": f"{ctx['name']}/{trial_id} {label}".strip(),
+                "extra_params": {"tune_role": "trial", "tune_trial_id": trial_id, "tune_sweep": ctx["name"],
+                                 "tune_swept": ",".join(ctx["swept"]), "tune_bundles": json.dumps(bundles)}}
+    metric = ctx["metric"]
+    state = {"metric": None, "held": None}
+
+    def on_round(rec: dict) -> None:
+        m = numeric(rec["metrics"])
+        if metric in m:
+            state["metric"] = m[metric]
+        elif state["metric"] is not None:  # a round without evaluation carries the last value forward
+            m[metric] = state["metric"]
+        result = {**m, "round": rec["step"] + 1, "total_rounds": rec["total"], "stage": rec["stage"],
+                  "evaluated": int("eval_seconds" in m)}
+        if rec["step"] + 1 >= rec["total"]:
+            state["held"] = result  # the final report waits until MLflow is done (ASHA may stop us there)
+            return
+        tune.report(result)
+
+    owner = False
+    if lock is not None:
+        owner = lock.acquire(lambda: stage1_ready(lock.cache_dir))
+    t0 = time.time()
+    try:
+        out = launch(prepared, tracking, checkpoint_dir=os.path.join(ctx["sweep_dir"], "trials", trial_id),
+                     on_round=on_round, resources=resources, driver_options=pin(1),
+                     actor_options=[pin(2 + i) for i in range(n_actors)])
+    finally:
+        if lock is not None:
+            lock.release()
+    final = state["held"] or {k: v for k, v in numeric(out["final"]).items()}
+    final.update({"mlflow_run_id": out["run_id"], "trial_seconds": time.time() - t0,
+                  "stage1_owner": int(owner), "pg_id": pg.id.hex(), "trial_start": t0, "trial_end": time.time(),
+                  "bundle_cpus": bundle_total(bundles).get("CPU", 0.0)})
+    tune.report(final)
