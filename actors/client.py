@@ -10,17 +10,22 @@ class ClientActor:
     def __init__(self, cfg, model_spec, task, x, y, client_data: dict, initial, holdout=None):
         import torch
 
+        from actors.handles import Batcher, resolve
         from rayfl.algorithms import get_algorithm
         from rayfl.host import ClientHost
 
         # Ray has set CUDA_VISIBLE_DEVICES to this actor's GPU(s); "cuda" is then the right one.
         self.gpu_ids = [str(g) for g in ray.get_gpu_ids()]
+        self.batcher = Batcher()
         device = "cuda" if self.gpu_ids and torch.cuda.is_available() else "cpu"
         self.host = ClientHost(cfg, get_algorithm(cfg.algo), model_spec, task, x, y, client_data, initial,
-                               device=device, share=ray.put, resolve=ray.get, holdout=holdout)
+                               device=device, share=self.batcher.share, resolve=resolve, holdout=holdout)
+        self.batcher.flush()
 
     def run(self, step: str, items: list) -> list:
-        return self.host.run(step, items)
+        uploads = self.host.run(step, items)
+        self.batcher.flush()  # one object for every vector this call's clients shared
+        return uploads
 
     def state(self) -> dict:
         return self.host.state()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ray
 
 from actors.client import ClientActor
+from actors.handles import resolve
 from actors.resources import ActorResources
 from rayfl.runtime import assign_hosts, group_by_host
 
@@ -36,7 +37,7 @@ class RayRuntime:
         return ray.put(obj)
 
     def get(self, handles):
-        return ray.get(list(handles))
+        return resolve(list(handles))
 
     def client_states(self):
         return {cid: blob for part in ray.get([a.state.remote() for a in self.actors]) for cid, blob in part.items()}

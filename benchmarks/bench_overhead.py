@@ -101,7 +101,7 @@ def rayfl_loop(prepared, rounds: int) -> tuple[list[float], list[float]]:
     exp = ensure_experiment(uri, "bench")
     arrivals = []
     result = launch(prepared, {"tracking_uri": uri, "experiment_id": exp, "run_name": "bench"},
-                    on_round=lambda rec: arrivals.append(time.perf_counter()), poll_seconds=0.01)
+                    on_round=lambda rec: arrivals.append(time.perf_counter()), poll_seconds=0.1)
     rounds_s = [h["round_seconds"] for h in result["history"]]
     return rounds_s, list(np.diff(arrivals))
 
