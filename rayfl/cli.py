@@ -80,7 +80,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                 group.add_argument(flag, action="store_true", default=argparse.SUPPRESS,
                                    help=f"{text}")
             else:
-                group.add_argument(flag, default=argparse.SUPPRESS, metavar=name.split("_")[-1].upper(),
+                metavar = {int: "N", float: "X"}.get(type(default), name.split("_")[-1].upper())
+                group.add_argument(flag, default=argparse.SUPPRESS, metavar=metavar,
                                    help=f"{text} (default: {default})")
 
 
