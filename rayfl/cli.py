@@ -85,14 +85,20 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                                    help=f"{text} (default: {default})")
 
 
-def config_from_args(args: argparse.Namespace):
-    overrides = {k: v for k, v in vars(args).items() if k in FIELDS}
+def parse_params(items: list[str]) -> dict:
+    """``-p KEY=VALUE`` flags as a dict, values read as YAML scalars (0.3 -> float, [1, 2] -> list)."""
     params = {}
-    for item in args.param:
+    for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise UserError(f"--param {item!r}: expected KEY=VALUE")
         params[key.strip()] = _parse_scalar(value.strip())
+    return params
+
+
+def config_from_args(args: argparse.Namespace):
+    overrides = {k: v for k, v in vars(args).items() if k in FIELDS}
+    params = parse_params(args.param)
     if params:
         overrides["params"] = params
     return make_config(args.config, overrides)

@@ -68,17 +68,11 @@ def add_tune_parser(subparsers, add_config_arguments) -> None:
 
 
 def _arg_values(args) -> tuple[dict, dict, dict]:
-    from rayfl.cli import _parse_scalar
+    from rayfl.cli import parse_params
 
     file_values = read_yaml(args.config) if args.config else {}
     flag_values = {k: v for k, v in vars(args).items() if k in FIELDS and k != "params"}
-    flag_params = {}
-    for item in args.param:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise UserError(f"--param {item!r}: expected KEY=VALUE")
-        flag_params[key.strip()] = _parse_scalar(value.strip())
-    return file_values, flag_values, flag_params
+    return file_values, flag_values, parse_params(args.param)
 
 
 def _default_metric(task: str, metric: str | None, mode: str | None) -> tuple[str, str]:
