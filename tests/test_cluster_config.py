@@ -18,14 +18,11 @@ import shlex
 import shutil
 import subprocess
 
+import jsonschema
 import pytest
+import ray.autoscaler
 import yaml
-
-jsonschema = pytest.importorskip("jsonschema")
-ray = pytest.importorskip("ray")
-
-import ray.autoscaler  # noqa: E402
-from ray.autoscaler._private.util import prepare_config, validate_config  # noqa: E402
+from ray.autoscaler._private.util import prepare_config, validate_config
 
 # Importing ray's CLI pulls in ray.serve, whose pydantic models warn about deprecated Field usage.
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

@@ -40,9 +40,6 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("ray")
-pytest.importorskip("mlflow")
-
 REPO = Path(__file__).resolve().parent.parent
 CLIENTS = 4
 ROUNDS = 2

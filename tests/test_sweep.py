@@ -60,8 +60,6 @@ BAD = [
 
 @pytest.mark.parametrize("text, algo, expected", BAD)
 def test_bad_space_is_one_line_naming_file_and_key(tmp_path, capsys, text, algo, expected):
-    if algo not in algorithm_names():
-        pytest.skip(f"{algo} not written yet")
     path = write(tmp_path, text)
     assert main(["tune", "--algo", algo, "--space", path, "--out-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
@@ -94,8 +92,6 @@ def test_trial_bundles_are_what_the_actors_ask():
 
 def test_stage1_key_ignores_only_stage2_knobs():
     base = {"algo": "persfl", "dataset": "synthetic", "clients": 3, "params": {"lam_grid": (), "T_grid": ()}}
-    if "persfl" not in algorithm_names():
-        pytest.skip("persfl not written yet")
     k = sweep.stage1_key({**base, "params": {**base["params"], "lam": 0.1, "T": 1}}, "persfl")
     assert k == sweep.stage1_key({**base, "params": {**base["params"], "lam": 0.9, "T": 5}}, "persfl")
     assert k != sweep.stage1_key({**base, "seed": 1, "params": {**base["params"], "lam": 0.1, "T": 1}}, "persfl")
@@ -172,7 +168,6 @@ def test_grid_sweep_2x2_four_children_one_parent(ray_session, tmp_path, capsys):
         assert len(b) == 2 + int(n_cpus) and sum(x["CPU"] for x in b) <= 1.0 + 1e-9
 
 
-@pytest.mark.skipif("persfl" not in algorithm_names(), reason="persfl not written yet")
 def test_persfl_reuse_gives_the_stage2_result_of_a_run_without_it(ray_session, tmp_path, capsys):
     """Two (lam, T) trials share one stage 1; each equals a plain run of that (lam, T) that computes its own."""
     import pandas as pd
