@@ -38,7 +38,8 @@ class TrainSettings:
 class Client:
     def __init__(self, cid: int, splits: dict, make_model: Callable[[], nn.Module], initial: np.ndarray,
                  settings: TrainSettings, seed: int, device: str = "cpu",
-                 share: Callable[[Any], Any] = lambda v: v, group: int | None = None):
+                 share: Callable[[Any], Any] = lambda v: v, group: int | None = None,
+                 scratch: dict | None = None):
         self.cid = cid
         self.splits = splits  # {"train": (x, y), "val": (x, y), "test": (x, y)} tensors on device
         self.device = device
@@ -46,6 +47,7 @@ class Client:
         self.group = group
         self.share = share  # wraps a vector so that it travels as a handle (ray.put under Ray)
         self._make_model = make_model
+        self._scratch = scratch if scratch is not None else {}  # one spare model, shared by a host's clients
         self.model = self.new_model(initial)
         self.state: dict[str, Any] = {}  # the algorithm's personal state (teacher, row of P, ...)
         self.rng = np.random.default_rng([seed, cid])
@@ -86,6 +88,13 @@ class Client:
         loss = training.train_epochs(model, x, y, epochs or s.local_epochs, s.batch_size, optimizer,
                                      loss_fn or training.loss_fn_for(s.task), self.gen)
         return {"train_loss": loss, "n": int(x.shape[0])}
+
+    def loss_of(self, vec: np.ndarray, split: str = "val") -> float:
+        """Loss of a weight vector on a split, in the host's spare model (no allocation per candidate):
+        how FedFomo weighs downloads and PersFL checks teacher candidates."""
+        if "model" not in self._scratch:
+            self._scratch["model"] = self.new_model()
+        return self.loss(self.load(vec, self._scratch["model"]), split)
 
     def loss(self, model: nn.Module, split: str = "val") -> float:
         x, y = self.splits[split]

@@ -46,10 +46,11 @@ class ClientHost:
         self.logic = algorithm.ClientLogic(algorithm.make_params(cfg.params))
         settings = TrainSettings.from_config(cfg, task)
         self.clients: dict[int, Client] = {}
+        scratch: dict = {}  # one spare model for all clients of this host
         for cid, cd in client_data.items():
             torch.manual_seed(cfg.seed)  # initial weights come from `initial`; this seeds anything else
             client = Client(cid, materialize(x, y, cd, device), model_spec.build, initial, settings,
-                            cfg.seed, device, share, cd.group)
+                            cfg.seed, device, share, cd.group, scratch)
             if holdout is not None and len(holdout) and getattr(self.logic, "uses_holdout", False):
                 client.splits["global"] = self._holdout(x, y, holdout, cd, device)
             self.logic.init_client(client)

@@ -74,16 +74,9 @@ class ScriptedClient:
     def n(self, split):
         return 5
 
-    def new_model(self, vec=None):
-        return {}
-
-    def load(self, vec, model):
-        model["r"] = int(vec[0])
-        return model
-
-    def loss(self, model, split):
+    def loss_of(self, vec, split):
         assert split == "val"
-        return self.losses[model["r"]]
+        return self.losses[int(vec[0])]
 
 
 def test_teacher_is_per_client_lowest_val_loss_with_strict_improvement():

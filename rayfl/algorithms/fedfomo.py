@@ -196,20 +196,6 @@ class FedFomoServer(Server):
 # ------------------------------------------------------------------------------------------- client
 
 class FedFomoClient(ClientLogic):
-    def __init__(self, params):
-        super().__init__(params)
-        self._scratch = None  # one spare model per host, for evaluating downloaded vectors
-
-    def init_client(self, client):
-        if client.n("val") == 0:
-            raise ValueError(f"fedfomo: client {client.cid} has no validation data; FedFomo weighs models on "
-                             f"each client's validation split, so val_frac must be > 0")
-
-    def val_loss(self, client, vec: np.ndarray) -> float:
-        if self._scratch is None:
-            self._scratch = client.new_model()
-        return client.loss(client.load(vec, self._scratch), "val")
-
     def step_fomo(self, client, msg, models):
         """Federated update from the downloads (Eq. 3, 13), then (in training rounds) E local epochs."""
         trained = "base" in client.state
@@ -222,8 +208,8 @@ class FedFomoClient(ClientLogic):
         w_star = np.zeros(0)
         if ids:
             vecs = [candidates[j] for j in ids]
-            base_loss = self.val_loss(client, base)
-            losses = np.array([self.val_loss(client, v) for v in vecs])
+            base_loss = client.loss_of(base, "val")
+            losses = np.array([client.loss_of(v, "val") for v in vecs])
             dists = np.array([model_distance(v, base, self.params.distance) for v in vecs])
             w = fomo_weights(base_loss, losses, dists)  # Eq. 3
             w_star = normalize_weights(w)  # Eq. 13

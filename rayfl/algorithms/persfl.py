@@ -259,23 +259,12 @@ class PersFLServer(FedAvgServer):
 # ------------------------------------------------------------------------------------------- client
 
 class PersFLClient(FedAvgClient):
-    def __init__(self, params):
-        super().__init__(params)
-        self._scratch = None  # one spare model per host, for checking teacher candidates
-
     def init_client(self, client):
-        if client.settings.task != "classification":
-            raise ValueError("persfl: distillation needs class logits; the task is regression")
-        if client.n("val") == 0:
-            raise ValueError(f"persfl: client {client.cid} has no validation data; teachers and (λ, T) are "
-                             f"chosen on each client's validation split, so val_frac must be > 0")
         client.state.update(teacher=None, teacher_round=-1, teacher_loss=float("inf"))
 
     def track(self, client, vec: np.ndarray, rnd: int) -> None:
         """Keep ``vec`` as the teacher if its validation loss is strictly lower (Eq. 2, Alg. 1 l. 6-8)."""
-        if self._scratch is None:
-            self._scratch = client.new_model()
-        loss = client.loss(client.load(vec, self._scratch), "val")
+        loss = client.loss_of(vec, "val")
         if loss < client.state["teacher_loss"]:
             client.state.update(teacher=np.array(vec, dtype=np.float32), teacher_round=int(rnd), teacher_loss=loss)
 
