@@ -10,7 +10,7 @@ class ClientActor:
     def __init__(self, cfg, model_spec, task, x, y, client_data: dict, initial, holdout=None):
         import torch
 
-        from actors.handles import Batcher, resolve
+        from rayfl.actors.handles import Batcher, resolve
         from rayfl.algorithms import get_algorithm
         from rayfl.host import ClientHost
 

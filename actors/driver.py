@@ -42,7 +42,7 @@ class DriverActor:
         self.loop = None
 
     def run(self) -> dict:
-        from actors.runtime import RayRuntime
+        from rayfl.actors.runtime import RayRuntime
         from rayfl.loop import Loop, RunStopped
         from rayfl.tracking import MlflowTracker
 

@@ -7,8 +7,8 @@ from typing import Callable
 
 import ray
 
-from actors.driver import DriverActor
-from actors.resources import DRIVER_CPUS, check_fits, plan_actor_resources
+from rayfl.actors.driver import DriverActor
+from rayfl.actors.resources import DRIVER_CPUS, check_fits, plan_actor_resources
 from rayfl.config import UserError
 from rayfl.runtime import assign_hosts
 

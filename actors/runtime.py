@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import ray
 
-from actors.client import ClientActor
-from actors.handles import resolve
-from actors.resources import ActorResources
+from rayfl.actors.client import ClientActor
+from rayfl.actors.handles import resolve
+from rayfl.actors.resources import ActorResources
 from rayfl.runtime import assign_hosts, group_by_host
 
 

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from actors.resources import ActorResources, check_fits  # noqa: E402
+from rayfl.actors.resources import ActorResources, check_fits  # noqa: E402
 from rayfl.config import UserError, make_config  # noqa: E402
 from rayfl.experiment import prepare  # noqa: E402
 from rayfl.training import load_vector, loss_fn_for, make_optimizer, to_vector, train_epochs, weighted_average  # noqa: E402
@@ -94,7 +94,7 @@ def plain_loop(prepared, rounds: int) -> list[float]:
 def rayfl_loop(prepared, rounds: int) -> tuple[list[float], list[float]]:
     import ray
 
-    from actors.launch import launch
+    from rayfl.actors.launch import launch
     from rayfl.tracking import ensure_experiment
 
     uri = f"sqlite:///{tempfile.mkdtemp()}/mlflow.db"

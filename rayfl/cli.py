@@ -215,7 +215,7 @@ def cmd_run(args) -> int:
           f"{prepared.info.n_params} parameters ({prepared.model_spec.name}); run directory {run_dir}", flush=True)
 
     init_ray(args.address)
-    from actors.launch import launch
+    from rayfl.actors.launch import launch
 
     show = None if args.quiet else (lambda rec: print(format_round(rec), flush=True))
     tracking = {"tracking_uri": uri, "experiment_id": exp_id, "run_name": run_name}

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from actors.resources import ActorResources, check_fits, plan_actor_resources
+from rayfl.actors.resources import ActorResources, check_fits, plan_actor_resources
 from rayfl.config import UserError, make_config
 from rayfl.metrics import round_summary, summarize
 from rayfl.models import build_model

@@ -17,7 +17,7 @@ from rayfl.tracking import ensure_experiment
 
 
 def launch_tiny(cfg, uri, run_name, **kw):
-    from actors.launch import launch
+    from rayfl.actors.launch import launch
 
     exp = ensure_experiment(uri, "tests")
     seen = []
@@ -80,7 +80,7 @@ def test_interrupted_run_keeps_its_rounds_and_resumes(ray_session, mlflow_uri, t
             raise Interrupt()
 
     exp = ensure_experiment(mlflow_uri, "tests")
-    from actors.launch import launch
+    from rayfl.actors.launch import launch
 
     tracking = {"tracking_uri": mlflow_uri, "experiment_id": exp, "run_name": "interrupted"}
     with pytest.raises(Interrupt):

@@ -223,7 +223,7 @@ def _plan_from_meta(meta: dict) -> Plan:
 
 
 def _default_concurrency(meta: dict, cluster: dict) -> int:
-    from actors.resources import DRIVER_CPUS
+    from rayfl.actors.resources import DRIVER_CPUS
     from rayfl.runtime import assign_hosts
 
     cfg = make_config(None, meta["base"])
@@ -249,7 +249,7 @@ def _run(meta: dict, args, resume: bool) -> int:
     if any(need.get(k, 0.0) > cluster.get(k, 0.0) + 1e-9 for k in need):
         raise UserError(f"one trial needs {need} but the cluster has {cluster}: lower --cpus-per-actor / "
                         f"--gpus-per-actor or raise --clients-per-actor")
-    from actors import resources as actor_resources
+    from rayfl.actors import resources as actor_resources
 
     per_process = getattr(actor_resources, "ACTOR_MEMORY", 0.5 * 2**30)  # a process that imports torch
     memory = float(ray.cluster_resources().get("memory", 0.0))

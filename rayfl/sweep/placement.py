@@ -16,7 +16,7 @@ TRIAL_CPUS = 0.05  # the trial function mostly waits on its driver
 def trial_bundles(cfg, share: dict) -> list[dict]:
     """``[trial, driver, client actor 0, ...]`` for one trial with ``share`` of the cluster
     (``{"CPU": c, "GPU": g}`` = cluster / max concurrent trials). Every actor asks exactly its bundle."""
-    from actors.resources import DRIVER_CPUS, plan_actor_resources
+    from rayfl.actors.resources import DRIVER_CPUS, plan_actor_resources
     from rayfl.runtime import assign_hosts
 
     n_actors = len(assign_hosts(cfg.clients, cfg.clients_per_actor))

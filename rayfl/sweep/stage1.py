@@ -131,7 +131,7 @@ def stage1_groups(plan: Plan, stage1_root: str) -> dict[str, dict] | None:
 def warm_stage1(meta: dict, plan: Plan, quiet: bool) -> None:
     """Before the trials: compute each distinct stage 1 once, with the whole cluster (a plain experiment,
     logged as a child run of the sweep with role ``stage1``), so that every (λ, T) trial only reads it."""
-    from actors.launch import launch
+    from rayfl.actors.launch import launch
     from rayfl.cli import format_round
     from rayfl.experiment import prepare
 

@@ -22,8 +22,8 @@ def run_trial(config: dict, ctx: dict) -> None:
     from ray.util import get_current_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from actors.launch import launch
-    from actors.resources import ActorResources
+    from rayfl.actors.launch import launch
+    from rayfl.actors.resources import ActorResources
     from rayfl.experiment import prepare
     from rayfl.tracking import numeric
 
