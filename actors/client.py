@@ -22,10 +22,10 @@ class ClientActor:
                                device=device, share=self.batcher.share, resolve=resolve, holdout=holdout)
         self.batcher.flush()
 
-    def run(self, step: str, items: list) -> list:
-        uploads = self.host.run(step, items)
+    def run(self, step: str, items: list, reduce=None) -> tuple:
+        out = self.host.run(step, items, reduce)
         self.batcher.flush()  # one object for every vector this call's clients shared
-        return uploads
+        return out
 
     def state(self) -> dict:
         return self.host.state()
@@ -34,7 +34,7 @@ class ClientActor:
         self.host.load_state(states)
 
     def vectors(self) -> dict:
-        return {cid: c.vector() for cid, c in self.host.clients.items()}
+        return self.host.vectors()
 
     def info(self) -> dict:
         ctx = ray.get_runtime_context()

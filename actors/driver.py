@@ -33,10 +33,11 @@ class RoundQueue(Callback):
 
 @ray.remote(max_concurrency=2)
 class DriverActor:
-    def __init__(self, prepared, x_ref, y_ref, resources, tracking: dict, checkpoint_dir: str | None,
-                 actor_options=None):
+    def __init__(self, prepared, x_ref, y_ref, resources, n_actors: int, tracking: dict,
+                 checkpoint_dir: str | None, actor_options=None):
         self.prepared, self.x_ref, self.y_ref = prepared, x_ref, y_ref
-        self.resources, self.tracking, self.checkpoint_dir = resources, tracking, checkpoint_dir
+        self.resources, self.n_actors = resources, n_actors
+        self.tracking, self.checkpoint_dir = tracking, checkpoint_dir
         self.actor_options = actor_options
         self.queue = RoundQueue()
         self.loop = None
@@ -47,7 +48,7 @@ class DriverActor:
         from rayfl.tracking import MlflowTracker
 
         scheduling = (lambda i: self.actor_options[i]) if self.actor_options else None
-        runtime = RayRuntime(self.prepared, self.x_ref[0], self.y_ref[0], self.resources, scheduling)
+        runtime = RayRuntime(self.prepared, self.x_ref[0], self.y_ref[0], self.resources, self.n_actors, scheduling)
         tracker = MlflowTracker(**self.tracking)
         loop = self.loop = Loop(self.prepared, runtime, [tracker, self.queue], self.checkpoint_dir)
         try:

@@ -8,9 +8,8 @@ from typing import Callable
 import ray
 
 from rayfl.actors.driver import DriverActor
-from rayfl.actors.resources import DRIVER_CPUS, check_fits, plan_actor_resources
+from rayfl.actors.resources import DRIVER_CPUS, check_fits, n_actors_for, plan_actor_resources
 from rayfl.config import UserError
-from rayfl.runtime import assign_hosts
 
 
 def launch(prepared, tracking: dict, checkpoint_dir: str | None = None,
@@ -22,9 +21,10 @@ def launch(prepared, tracking: dict, checkpoint_dir: str | None = None,
     A request larger than the cluster is a user error on a private local instance; on a cluster that
     may grow (an autoscaling one we connected to) it only warns, and the actors wait for nodes."""
     cfg = prepared.cfg
-    n_actors = len(assign_hosts(cfg.clients, cfg.clients_per_actor))
+    cluster = ray.cluster_resources()
+    n_actors = n_actors_for(cfg, cluster) if actor_options is None else len(actor_options)
     if resources is None:
-        resources = plan_actor_resources(cfg, n_actors, ray.cluster_resources())
+        resources = plan_actor_resources(cfg, n_actors, cluster)
         try:
             check_fits(resources, n_actors, ray.cluster_resources(), cfg.clients)
         except UserError as e:
@@ -36,7 +36,7 @@ def launch(prepared, tracking: dict, checkpoint_dir: str | None = None,
     x_ref, y_ref = [ray.put(ds.x)], [ray.put(ds.y)]
     light = dataclasses.replace(prepared, dataset=dataclasses.replace(ds, x=None, y=None))
     driver = DriverActor.options(num_cpus=DRIVER_CPUS, **(driver_options or {})).remote(
-        light, x_ref, y_ref, resources, tracking, checkpoint_dir, actor_options)
+        light, x_ref, y_ref, resources, n_actors, tracking, checkpoint_dir, actor_options)
     done = driver.run.remote()
     try:
         while True:

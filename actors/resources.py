@@ -1,4 +1,9 @@
-"""How many CPUs and GPUs each client actor asks for, from what the cluster reports.
+"""How many client actors a run gets and how many CPUs and GPUs each asks for, from what the cluster reports.
+
+Placement is automatic by default (``clients_per_actor: auto``): one client actor per client while the
+cluster has a slot for each (a share of ``torch_threads`` CPUs, within memory), otherwise one actor per
+slot with the clients spread evenly. A slot is a CPU share also when there are GPUs: the GPUs are then
+divided among the actors.
 
 Fractional GPUs let several client actors share one GPU (Ray sets CUDA_VISIBLE_DEVICES for each);
 an explicit ``num_cpus`` is always given, since an actor without one still reserves a whole CPU for
@@ -8,6 +13,7 @@ scheduling and the third actor on a 2-core machine would never start.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 DRIVER_CPUS = 0.05  # the driver actor mostly waits on its clients
@@ -21,6 +27,39 @@ class ActorResources:
 
     def options(self) -> dict:
         return {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+
+
+def slots(cfg, cluster: dict) -> int:
+    """Client actors the cluster has room for: one per ``cpus_per_actor`` (else ``torch_threads``) CPUs, the
+    driver's small share allowed for, and no more than memory holds at ACTOR_MEMORY each."""
+    per = cfg.cpus_per_actor or cfg.torch_threads
+    by_cpu = math.floor(float(cluster.get("CPU", 1.0)) / per + DRIVER_CPUS * 2)
+    memory = float(cluster.get("memory", 0.0))
+    by_memory = math.floor(memory / ACTOR_MEMORY) if memory else by_cpu
+    return max(1, min(by_cpu, by_memory))
+
+
+def n_actors_for(cfg, cluster: dict) -> int:
+    from rayfl.runtime import hosts_for
+
+    return len(hosts_for(cfg, slots(cfg, cluster)))
+
+
+def local_cluster(num_cpus: int | None = None) -> dict:
+    """What a private local Ray instance on this machine will offer, known before it starts: CPUs, GPUs and
+    about 65% of the machine's total memory (Ray offers what is free less its object store; the total keeps
+    the plan and its hints the same from run to run)."""
+    import psutil
+
+    gpus = 0
+    try:
+        import torch
+
+        gpus = torch.cuda.device_count()
+    except Exception:  # noqa: BLE001 - no usable CUDA is no GPU
+        gpus = 0
+    return {"CPU": float(num_cpus or os.cpu_count() or 1), "GPU": float(gpus),
+            "memory": 0.65 * psutil.virtual_memory().total}
 
 
 def _floor(x: float, step: float = 0.01) -> float:
@@ -58,11 +97,11 @@ def check_fits(res: ActorResources, n_actors: int, cluster: dict, n_clients: int
         if per > 0 and need > have + 1e-9:
             flag = "cpus_per_actor" if kind == "CPU" else "gpus_per_actor"
             raise UserError(f"{flag}={per:g} x {n_actors} client actors needs {need:g} {kind}s, the cluster has "
-                            f"{have:g}; lower it, or raise clients_per_actor")
+                            f"{have:g}; lower it, raise clients_per_actor, or leave both automatic")
     memory = float(cluster.get("memory", 0.0))
     if memory and n_actors * ACTOR_MEMORY > memory:
         fit = max(1, int(memory // ACTOR_MEMORY))
         hint = f" (at most {fit} actors fit: clients_per_actor >= {-(-n_clients // fit)})" if n_clients else ""
         raise UserError(f"{n_actors} client actors need about {n_actors * ACTOR_MEMORY / 2**30:.0f} GiB "
                         f"(0.5 GiB each with torch), the cluster offers {memory / 2**30:.0f} GiB; "
-                        f"raise clients_per_actor{hint}")
+                        f"raise clients_per_actor{hint}, or leave it auto")

@@ -7,14 +7,14 @@ import ray
 from rayfl.actors.client import ClientActor
 from rayfl.actors.handles import resolve
 from rayfl.actors.resources import ActorResources
-from rayfl.runtime import assign_hosts, group_by_host
+from rayfl.runtime import assign_hosts, gather, group_by_host
 
 
 class RayRuntime:
-    def __init__(self, prepared, x_ref, y_ref, resources: ActorResources, scheduling=None):
+    def __init__(self, prepared, x_ref, y_ref, resources: ActorResources, n_actors: int, scheduling=None):
         """``scheduling(i)`` gives extra ``.options`` for actor i (a Tune trial's placement-group bundle)."""
         cfg, fed = prepared.cfg, prepared.federation
-        blocks = assign_hosts(cfg.clients, cfg.clients_per_actor)
+        blocks = assign_hosts(cfg.clients, n_actors)
         self.host_of = {c: h for h, block in enumerate(blocks) for c in block}
         initial_ref = ray.put(prepared.initial)
         self.resources = resources
@@ -25,13 +25,10 @@ class RayRuntime:
             for h, block in enumerate(blocks)
         ]
 
-    def call(self, step, messages):
+    def call(self, step, messages, reduce=None):
         batches = group_by_host(messages, self.host_of)
-        refs = [self.actors[h].run.remote(step, items) for h, items in batches.items()]
-        out: dict[int, dict] = {}
-        for items, uploads in zip(batches.values(), ray.get(refs)):
-            out.update(zip([cid for cid, _ in items], uploads))
-        return out
+        refs = [self.actors[h].run.remote(step, items, reduce) for h, items in batches.items()]
+        return gather(batches, ray.get(refs), reduce)
 
     def put(self, obj):
         return ray.put(obj)

@@ -49,6 +49,7 @@ GROUPS = {
     },
     "evaluation, tracking, keeping": {
         "eval_every": "evaluate every client every N rounds (the last round always)",
+        "client_metrics": "per-client values also as MLflow metrics for up to N clients (always as a table)",
         "checkpoint_every": "checkpoint every N rounds (0: never); resume with --resume DIR",
         "out_dir": "where run directories (config, checkpoints) go",
         "tracking_uri": "MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)",
@@ -56,7 +57,8 @@ GROUPS = {
         "run_name": "MLflow run name",
     },
     "resources": {
-        "clients_per_actor": "clients hosted by one client actor (raise it for 100+ clients)",
+        "clients_per_actor": "clients hosted by one client actor (auto: one actor per client while the "
+                             "cluster has a CPU share or GPU slice for each, else clients spread evenly)",
         "cpus_per_actor": "CPUs reserved per client actor (0: an even share of the cluster)",
         "gpus_per_actor": "GPUs per client actor, fractional allowed (-1: automatic share)",
         "torch_threads": "torch threads per client actor",
@@ -81,6 +83,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                                    help=f"{text}")
             else:
                 metavar = {int: "N", float: "X"}.get(type(default), name.split("_")[-1].upper())
+                metavar = "N|auto" if name == "clients_per_actor" else metavar
                 group.add_argument(flag, default=argparse.SUPPRESS, metavar=metavar,
                                    help=f"{text} (default: {default})")
 

@@ -1,8 +1,13 @@
-"""A client: its data splits, its model, its personal state, and the local-training settings.
+"""A client: its data splits, its weights, its personal state, and the local-training settings.
 
 A Client lives for the whole experiment inside one host (a Ray actor, or the test process), so that
 nothing personal is shipped back and forth between rounds. Algorithms reach everything they need
 through it: ``fit`` and ``evaluate`` for the common work, ``state`` for their own.
+
+A client costs little until it has weights of its own: its personal weights are one flat tensor, made on
+first use (until then it holds the common initial model), and ``client.model`` is the host's one resident
+module with this client's weights swapped in (see :class:`Bench`). So 10,000 clients fit in one process,
+and an algorithm without a personal model (FedAvg) keeps none.
 """
 
 from __future__ import annotations
@@ -35,20 +40,57 @@ class TrainSettings:
                    cfg.weight_decay)
 
 
+class Bench:
+    """A host's resident modules: ``resident`` carries whichever client's personal weights are checked out
+    (copied in on first use, copied back when another client takes it or the host call ends), ``spare`` is a
+    working model any step may load a vector into (FedAvg's training copy, candidate losses)."""
+
+    def __init__(self, make_model: Callable[[], nn.Module], initial: np.ndarray | None, device: str = "cpu"):
+        self.make_model, self.device = make_model, device
+        self.resident = self.fresh()
+        if initial is None:  # no common initial model: a freshly initialised one
+            initial = training.to_vector(self.resident)
+        self.initial = torch.as_tensor(np.asarray(initial, dtype=np.float32)).to(device)
+        self.spare = self.fresh()
+        self.owner: "Client | None" = None
+
+    def fresh(self, vec=None) -> nn.Module:
+        module = training.flatten(self.make_model().to(self.device))
+        return module if vec is None else training.load_vector(module, vec)
+
+    def checkout(self, client: "Client") -> nn.Module:
+        if self.owner is not client:
+            self.release()
+            training.load_vector(self.resident, client._weights if client._weights is not None else self.initial)
+            self.owner = client
+        return self.resident
+
+    def release(self) -> None:
+        """Copy the checked-out client's weights home; the resident module is free again."""
+        owner, self.owner = self.owner, None
+        if owner is not None:
+            flat = self.resident._rayfl_flat if hasattr(self.resident, "_rayfl_flat") else None
+            vec = flat if flat is not None else torch.as_tensor(training.to_vector(self.resident))
+            if owner._weights is None:
+                owner._weights = vec.detach().clone()
+            else:
+                owner._weights.copy_(vec)
+
+
 class Client:
-    def __init__(self, cid: int, splits: dict, make_model: Callable[[], nn.Module], initial: np.ndarray,
-                 settings: TrainSettings, seed: int, device: str = "cpu",
-                 share: Callable[[Any], Any] = lambda v: v, group: int | None = None,
-                 scratch: dict | None = None):
+    def __init__(self, cid: int, splits: dict, make_model: Callable[[], nn.Module] | None,
+                 initial: np.ndarray | None, settings: TrainSettings, seed: int, device: str = "cpu",
+                 share: Callable[[Any], Any] = lambda v: v, group: int | None = None, bench: Bench | None = None):
+        """``bench``: the host's shared resident modules; a client made on its own gets a bench of its own
+        from ``make_model`` and ``initial``."""
         self.cid = cid
         self.splits = splits  # {"train": (x, y), "val": (x, y), "test": (x, y)} tensors on device
         self.device = device
         self.settings = settings
         self.group = group
         self.share = share  # wraps a vector so that it travels as a handle (ray.put under Ray)
-        self._make_model = make_model
-        self._scratch = scratch if scratch is not None else {}  # one spare model, shared by a host's clients
-        self.model = self.new_model(initial)
+        self._bench = bench if bench is not None else Bench(make_model, initial, device)
+        self._weights: torch.Tensor | None = None  # personal weights, flat; None: still the initial model
         self.state: dict[str, Any] = {}  # the algorithm's personal state (teacher, row of P, ...)
         self.rng = np.random.default_rng([seed, cid])
         self.gen = torch.Generator().manual_seed(int(self.rng.integers(2**62)))
@@ -59,12 +101,28 @@ class Client:
         return int(self.splits[split][0].shape[0])
 
     # --- models ----------------------------------------------------------------------------------
+    @property
+    def model(self) -> nn.Module:
+        """This client's personal model (the host's resident module, with this client's weights in it)."""
+        return self._bench.checkout(self)
+
+    @model.setter
+    def model(self, module: nn.Module) -> None:
+        training.load_vector(self.model, training.to_vector(module))
+
+    @property
+    def has_model(self) -> bool:
+        """Whether the client has personal weights (an algorithm without a personal model never makes them)."""
+        return self._weights is not None or self._bench.owner is self
+
     def new_model(self, vec: np.ndarray | None = None) -> nn.Module:
         """A fresh copy of the architecture on this client's device, loaded from ``vec`` if given."""
-        model = self._make_model().to(self.device)
-        if vec is not None:
-            training.load_vector(model, vec)
-        return model
+        return self._bench.fresh(vec)
+
+    def scratch(self, vec) -> nn.Module:
+        """The host's spare model loaded with ``vec``: no allocation, valid until the next ``scratch`` call.
+        For a working copy that is not the client's own (FedAvg's local training, candidate losses)."""
+        return training.load_vector(self._bench.spare, vec)
 
     def load(self, vec: np.ndarray, model: nn.Module | None = None) -> nn.Module:
         return training.load_vector(model if model is not None else self.model, vec)
@@ -92,9 +150,7 @@ class Client:
     def loss_of(self, vec: np.ndarray, split: str = "val") -> float:
         """Loss of a weight vector on a split, in the host's spare model (no allocation per candidate):
         how FedFomo weighs downloads and PersFL checks teacher candidates."""
-        if "model" not in self._scratch:
-            self._scratch["model"] = self.new_model()
-        return self.loss(self.load(vec, self._scratch["model"]), split)
+        return self.loss(self.scratch(vec), split)
 
     def loss(self, model: nn.Module, split: str = "val") -> float:
         x, y = self.splits[split]

@@ -59,13 +59,14 @@ class Config:
     seed: int = 0
     # evaluation, logging, keeping
     eval_every: int = 1
+    client_metrics: int = 100  # per-client values also as MLflow metrics up to this many clients (0: never)
     checkpoint_every: int = 0  # 0: no checkpoints
     out_dir: str = "rayfl-runs"
     tracking_uri: str | None = None  # None: MLFLOW_TRACKING_URI, else sqlite:///mlflow.db
     experiment: str = "rayfl"
     run_name: str | None = None
     # resources
-    clients_per_actor: int = 1
+    clients_per_actor: int | str = "auto"  # auto: one actor per client while the cluster has a slot for each
     cpus_per_actor: float = 0.0  # 0: share the cluster's CPUs among the actors
     gpus_per_actor: float = -1.0  # -1: automatic (a fraction of the GPUs when the cluster has any)
     torch_threads: int = 1
@@ -82,11 +83,14 @@ class Config:
         _one_of("sizes", self.sizes, SIZE_DISTRIBUTIONS)
         _one_of("optimizer", self.optimizer, OPTIMIZERS)
         _one_of("model", self.model, ("auto",) + tuple(MODELS))
-        for name in ("clients", "rounds", "local_epochs", "batch_size", "eval_every", "clients_per_actor",
+        if self.clients_per_actor != "auto" and not (isinstance(self.clients_per_actor, int)
+                                                     and self.clients_per_actor >= 1):
+            raise UserError(f"clients_per_actor={self.clients_per_actor!r}: must be auto or an integer >= 1")
+        for name in ("clients", "rounds", "local_epochs", "batch_size", "eval_every",
                      "torch_threads", "groups", "classes_per_client"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name}={getattr(self, name)}: must be an integer >= 1")
-        for name in ("checkpoint_every", "samples_per_client"):
+        for name in ("checkpoint_every", "samples_per_client", "client_metrics"):
             if getattr(self, name) < 0:
                 raise UserError(f"{name}={getattr(self, name)}: must be an integer >= 0")
         for name in ("participation", "majority"):
@@ -174,6 +178,13 @@ def read_yaml(path: str) -> dict:
 def _convert(name: str, value: Any) -> Any:
     """Give a YAML/flag value the type of the field's default (ints stay ints, '0.1' becomes 0.1)."""
     default = Config.__dataclass_fields__[name].default
+    if name == "clients_per_actor":
+        text = str(value).strip().lower()
+        if text == "auto":
+            return "auto"
+        if isinstance(value, bool) or not text.isdigit():
+            raise UserError(f"clients_per_actor={value!r}: must be auto or an integer >= 1")
+        return int(text)
     if name == "params" or value is None or default is None or default is dataclasses.MISSING:
         return value
     kind = type(default)

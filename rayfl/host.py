@@ -1,7 +1,9 @@
 """ClientHost: the Ray-free core of a client actor. It holds one or more clients and runs algorithm steps.
 
 One host call carries the work of all its clients for a step, and every model handle that the step's
-messages name is resolved in one batch: Ray call overhead is paid per actor, not per client.
+messages name is resolved in one batch: Ray call overhead is paid per actor, not per client. Where the
+server asked for a reduction (FedAvg's weighted mean), the host returns one partial sum for its clients.
+Its clients share one resident model and one spare (:class:`rayfl.client.Bench`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import numpy as np
 import torch
 
 from rayfl import training
-from rayfl.client import Client, TrainSettings
+from rayfl.client import Bench, Client, TrainSettings
+from rayfl.reduce import Partial, accumulate
 
 
 @dataclass(frozen=True)
@@ -45,16 +48,17 @@ class ClientHost:
         self._holdout_cache: dict = {}  # transform -> the "global" split, shared by this host's clients
         self.logic = algorithm.ClientLogic(algorithm.make_params(cfg.params))
         settings = TrainSettings.from_config(cfg, task)
+        self.bench = Bench(model_spec.build, initial, device)
         self.clients: dict[int, Client] = {}
-        scratch: dict = {}  # one spare model for all clients of this host
         for cid, cd in client_data.items():
             torch.manual_seed(cfg.seed)  # initial weights come from `initial`; this seeds anything else
-            client = Client(cid, materialize(x, y, cd, device), model_spec.build, initial, settings,
-                            cfg.seed, device, share, cd.group, scratch)
+            client = Client(cid, materialize(x, y, cd, device), None, None, settings, cfg.seed, device, share,
+                            cd.group, bench=self.bench)
             if holdout is not None and len(holdout) and getattr(self.logic, "uses_holdout", False):
                 client.splits["global"] = self._holdout(x, y, holdout, cd, device)
             self.logic.init_client(client)
             self.clients[cid] = client
+        self.bench.release()
         self._warm_up(next(iter(self.clients.values())))
 
     def _holdout(self, x, y, holdout: np.ndarray, cd, device: str) -> tuple:
@@ -74,27 +78,30 @@ class ClientHost:
     def _warm_up(client: Client) -> None:
         """One throwaway training step, so torch's lazy first-use work (about a second per process)
         is paid at start-up and not counted in the first round's time."""
-        import copy
-
-        model = copy.deepcopy(client.model)
+        model = client.new_model()
         x, y = client.splits["train"]
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
         training.train_epochs(model, x[:2], y[:2], 1, 2, opt, training.loss_fn_for(client.settings.task),
                               torch.Generator().manual_seed(0))
 
-    def run(self, step: str, items: list[tuple[int, dict]]) -> list[dict]:
-        """Run ``step_<step>`` for each (client id, message); one batched fetch of every named model."""
+    def run(self, step: str, items: list[tuple[int, dict]], reduce=None) -> tuple[list[dict], Partial]:
+        """Run ``step_<step>`` for each (client id, message); one batched fetch of every named model.
+        Returns the uploads and this host's partial sum of the requested reduction (empty without one)."""
         method = getattr(self.logic, f"step_{step}", None)
         if method is None:
             raise ValueError(f"{type(self.logic).__module__} has no client step {step!r}")
         resolved = self._resolve_models([msg.get("models", {}) for _, msg in items])
-        uploads = []
-        for (cid, msg), models in zip(items, resolved):
-            t0 = time.perf_counter()
-            up = method(self.clients[cid], msg, models) or {}
-            up.setdefault("seconds", time.perf_counter() - t0)
-            uploads.append(up)
-        return uploads
+        uploads, partial = [], {}
+        try:
+            for (cid, msg), models in zip(items, resolved):
+                t0 = time.perf_counter()
+                up = method(self.clients[cid], msg, models) or {}
+                up.setdefault("seconds", time.perf_counter() - t0)
+                accumulate(reduce, up, partial)
+                uploads.append(up)
+        finally:
+            self.bench.release()
+        return uploads, partial
 
     def _resolve_models(self, model_maps: list[dict]) -> list[dict]:
         handles, slots = [], []
@@ -120,18 +127,26 @@ class ClientHost:
                 out[i][name][key] = v
         return out
 
+    def vectors(self) -> dict[int, np.ndarray]:
+        """The personal weights of every client that has them (FedAvg's clients have none)."""
+        self.bench.release()
+        return {cid: c._weights.cpu().numpy().copy() for cid, c in self.clients.items() if c._weights is not None}
+
     def state(self) -> dict[int, bytes]:
-        """Each client's model, personal state and optimizer, serialized, for checkpoints."""
-        return {cid: _dump({"model": c.model.state_dict(), "state": c.state,
+        """Each client's weights, personal state and optimizer, serialized, for checkpoints."""
+        self.bench.release()
+        return {cid: _dump({"model": c._weights.cpu().numpy() if c._weights is not None else None,
+                            "state": c.state,
                             "optimizer": c.optimizer.state_dict() if c.optimizer else None,
                             "gen": c.gen.get_state(), "rng": c.rng.bit_generator.state})
                 for cid, c in self.clients.items()}
 
     def load_state(self, states: dict[int, bytes]) -> None:
+        self.bench.release()
         for cid, blob in states.items():
             c = self.clients[cid]
             st = torch.load(io.BytesIO(blob), map_location=self.device, weights_only=False)
-            c.model.load_state_dict(st["model"])
+            c._weights = None if st["model"] is None else torch.as_tensor(st["model"]).to(self.device)
             c.state = st["state"]
             if st["optimizer"] is not None and c.optimizer is not None:
                 c.optimizer.load_state_dict(st["optimizer"])

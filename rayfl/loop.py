@@ -60,9 +60,9 @@ class Loop:
         self.stop_requested = False
 
     # --- pieces ---------------------------------------------------------------------------------
-    def call(self, step: str, messages: dict[int, dict]) -> dict[int, dict]:
+    def call(self, step: str, messages: dict[int, dict], reduce=None) -> dict[int, dict]:
         t0 = time.perf_counter()
-        out = self.runtime.call(step, messages)
+        out = self.runtime.call(step, messages, reduce)
         self.call_seconds += time.perf_counter() - t0
         return out
 

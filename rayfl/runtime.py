@@ -1,7 +1,8 @@
 """Runtimes: where the clients live. The loop and the algorithms see only this small interface.
 
-``call(step, messages)`` runs a client step on many clients (in parallel under Ray) and returns their
-uploads; ``put``/``get`` turn vectors into handles and back. :class:`LocalRuntime` keeps every client
+``call(step, messages, reduce)`` runs a client step on many clients (in parallel under Ray) and returns
+their uploads, with the requested reduction combined from one partial sum per host (:mod:`rayfl.reduce`);
+``put``/``get`` turn vectors into handles and back. :class:`LocalRuntime` keeps every client
 in this process (tests, debugging); ``actors.runtime.RayRuntime`` keeps them in client actors.
 """
 
@@ -12,10 +13,11 @@ from typing import Any, Protocol
 import numpy as np
 
 from rayfl.host import ClientHost
+from rayfl.reduce import Uploads, combine
 
 
 class Runtime(Protocol):
-    def call(self, step: str, messages: dict[int, dict]) -> dict[int, dict]: ...
+    def call(self, step: str, messages: dict[int, dict], reduce=None) -> Uploads: ...
     def put(self, obj: Any) -> Any: ...
     def get(self, handles: list) -> list: ...
     def client_states(self) -> dict[int, bytes]: ...
@@ -25,9 +27,19 @@ class Runtime(Protocol):
     def shutdown(self) -> None: ...
 
 
-def assign_hosts(n_clients: int, clients_per_host: int) -> list[list[int]]:
-    """Client ids per host, in contiguous blocks: host h holds clients [h*k, (h+1)*k)."""
-    return [list(range(s, min(s + clients_per_host, n_clients))) for s in range(0, n_clients, clients_per_host)]
+def assign_hosts(n_clients: int, n_hosts: int) -> list[list[int]]:
+    """Client ids per host, spread evenly in contiguous blocks (sizes differ by at most one)."""
+    n_hosts = max(1, min(n_hosts, n_clients))
+    bounds = [round(h * n_clients / n_hosts) for h in range(n_hosts + 1)]
+    return [list(range(bounds[h], bounds[h + 1])) for h in range(n_hosts)]
+
+
+def hosts_for(cfg, slots: int | None = None) -> list[list[int]]:
+    """The placement of a run: ``clients_per_actor`` clients per host when the user set it, else (auto) one
+    host per client while there are ``slots`` for each, else ``slots`` hosts (one host without a cluster)."""
+    if cfg.clients_per_actor != "auto":
+        return assign_hosts(cfg.clients, -(-cfg.clients // cfg.clients_per_actor))
+    return assign_hosts(cfg.clients, slots or 1)
 
 
 def group_by_host(messages: dict[int, dict], host_of: dict[int, int]) -> dict[int, list]:
@@ -36,6 +48,14 @@ def group_by_host(messages: dict[int, dict], host_of: dict[int, int]) -> dict[in
     for cid in sorted(messages):
         batches.setdefault(host_of[cid], []).append((cid, messages[cid]))
     return batches
+
+
+def gather(batches: dict[int, list], results: list[tuple[list, dict]], reduce) -> Uploads:
+    """Uploads by client id from each host's (uploads, partial sum), and the reduction combined in host order."""
+    out = Uploads(reduced=combine(reduce, [partial for _, partial in results]))
+    for items, (uploads, _) in zip(batches.values(), results):
+        out.update(zip([cid for cid, _ in items], uploads))
+    return out
 
 
 def _frozen(obj: Any) -> Any:
@@ -50,20 +70,20 @@ def _frozen(obj: Any) -> Any:
 class LocalRuntime:
     """Every client in this process; same semantics as the Ray runtime, for tests and debugging."""
 
-    def __init__(self, prepared, clients_per_host: int | None = None):
+    def __init__(self, prepared, n_hosts: int | None = None):
+        """``n_hosts``: how many hosts to spread the clients over (default: the config's placement, one
+        host for ``auto``)."""
         cfg, fed = prepared.cfg, prepared.federation
-        blocks = assign_hosts(cfg.clients, clients_per_host or cfg.clients_per_actor)
+        blocks = assign_hosts(cfg.clients, n_hosts) if n_hosts else hosts_for(cfg)
         self.host_of = {c: h for h, block in enumerate(blocks) for c in block}
         self.hosts = [ClientHost(cfg, prepared.algorithm, prepared.model_spec, prepared.info.task,
                                  prepared.dataset.x, prepared.dataset.y, {c: fed.clients[c] for c in block},
                                  prepared.initial, share=_frozen, holdout=fed.holdout)
                       for block in blocks]
 
-    def call(self, step, messages):
-        out: dict[int, dict] = {}
-        for h, items in group_by_host(messages, self.host_of).items():
-            out.update(zip([cid for cid, _ in items], self.hosts[h].run(step, items)))
-        return out
+    def call(self, step, messages, reduce=None):
+        batches = group_by_host(messages, self.host_of)
+        return gather(batches, [self.hosts[h].run(step, items, reduce) for h, items in batches.items()], reduce)
 
     def put(self, obj):
         return _frozen(obj)
@@ -79,7 +99,7 @@ class LocalRuntime:
             host.load_state({c: s for c, s in states.items() if self.host_of[c] == h})
 
     def client_vectors(self):
-        return {cid: c.vector() for h in self.hosts for cid, c in h.clients.items()}
+        return {cid: v for host in self.hosts for cid, v in host.vectors().items()}
 
     def placement(self):
         return [{"actor": h, "node_id": "local", **host.info()} for h, host in enumerate(self.hosts)]

@@ -1,18 +1,27 @@
 """MLflow tracking as a loop callback: the only place in rayfl that calls MLflow during a run.
 
 One MLflow run per experiment (a child of a sweep's parent run under Tune): every resolved config value
-as a param, per-round metrics with ``step=round``, per-client metrics, and artifacts (config, placement,
-per-client results, round history, final weights, plots, and whatever the algorithm keeps, such as
-FedFomo's P matrix every round).
+as a param, per-round summary metrics with ``step=round``, per-client values as one table artifact per
+evaluated round (``results/clients/round_NNNN.csv``; also as metrics ``client/<id>/<name>`` for
+federations of at most ``client_metrics`` clients), and artifacts (config, placement, per-client results,
+round history, final weights, plots, and whatever the algorithm keeps, such as FedFomo's P matrix).
+
+Everything after the run's start is written by one background thread (:class:`Writer`), so that a round
+never waits on the tracking store; the run is closed only after the writer has drained its queue, when the
+run ends and when it fails, so nothing queued is lost.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
+import queue
+import shutil
 import tempfile
+import threading
+import time
+from typing import Callable
 
 import numpy as np
 import pandas as pd
@@ -21,6 +30,7 @@ import yaml
 from rayfl.loop import Callback
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+CLIENT_PREFIX = "client/"  # per-client metrics: client/<id>/test_acc
 
 
 def resolve_tracking_uri(uri: str | None) -> str:
@@ -42,10 +52,49 @@ def ensure_experiment(uri: str, name: str) -> str:
     return exp.experiment_id if exp else mlflow.create_experiment(name)
 
 
-def numeric(metrics: dict) -> dict[str, float]:
+def numeric(metrics: dict, finite_only: bool = True) -> dict[str, float]:
+    """The plain numbers of a metrics dict; NaN and infinities are kept only when ``finite_only`` is off
+    (MLflow stores them, and a diverged run should show as one)."""
     return {k: float(v) for k, v in metrics.items()
             if isinstance(v, (int, float, np.floating, np.integer)) and not isinstance(v, bool)
-            and math.isfinite(float(v))}
+            and (not finite_only or math.isfinite(float(v)))}
+
+
+class Writer:
+    """One background thread that runs logging jobs in order; ``flush`` waits for all of them and re-raises
+    the first error, so a failing store is reported instead of silently dropping values."""
+
+    def __init__(self):
+        self._jobs: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._work, name="rayfl-mlflow-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._jobs.put(job)
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                if job is None:
+                    return
+                if self._error is None:
+                    job()
+            except BaseException as e:  # noqa: BLE001 - kept and raised by flush
+                self._error = e
+            finally:
+                self._jobs.task_done()
+
+    def flush(self) -> None:
+        self._jobs.join()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join()
 
 
 class MlflowTracker(Callback):
@@ -57,40 +106,53 @@ class MlflowTracker(Callback):
         self.parent_run_id = parent_run_id
         self.extra_params = extra_params or {}
         self.run_id: str | None = None
+        self.client_metrics = False
+        self.writer: Writer | None = None
         self._tmp = tempfile.mkdtemp(prefix="rayfl-artifacts-")
 
-    # --- helpers --------------------------------------------------------------------------------
-    def _log_array(self, name: str, array, artifact_path: str) -> None:
-        import mlflow
+    # --- writing, in the background -------------------------------------------------------------
+    def _submit(self, job: Callable[[], None]) -> None:
+        self.writer.submit(job)
 
+    def _log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        client, run_id, now = self._client, self.run_id, int(time.time() * 1000)
+        items = [Metric(k, v, now, step) for k, v in metrics.items()]
+        for start in range(0, len(items), 1000):  # MLflow's limit per batch
+            client.log_batch(run_id, metrics=items[start:start + 1000], synchronous=True)
+
+    def _log_file(self, name: str, write: Callable[[str], None], artifact_path: str) -> None:
         path = os.path.join(self._tmp, name)
-        np.save(path, np.asarray(array))
-        mlflow.log_artifact(path, artifact_path)
+        write(path)
+        self._client.log_artifact(self.run_id, path, artifact_path)
+        os.remove(path)
+
+    def _log_array(self, name: str, array, artifact_path: str) -> None:
+        self._log_file(name, lambda p: np.save(p, np.asarray(array)), artifact_path)
 
     def _log_object(self, name: str, obj, path: str) -> None:
-        import mlflow
-
         if isinstance(obj, pd.DataFrame):
-            local = os.path.join(self._tmp, f"{name}.csv")
-            obj.to_csv(local, index=False)
-            mlflow.log_artifact(local, path)
+            self._log_file(f"{name}.csv", lambda p: obj.to_csv(p, index=False), path)
         elif isinstance(obj, dict):
-            mlflow.log_dict(obj, f"{path}/{name}.json")
+            self._client.log_dict(self.run_id, obj, f"{path}/{name}.json")
         elif hasattr(obj, "savefig"):
-            mlflow.log_figure(obj, f"{path}/{name}.png")
+            self._client.log_figure(self.run_id, obj, f"{path}/{name}.png")
         else:
             self._log_array(f"{name}.npy", obj, path)
             arr = np.asarray(obj)
             if arr.ndim == 2 and arr.shape[0] == arr.shape[1] and arr.shape[0] > 1:
                 from rayfl.plots import heatmap
 
-                mlflow.log_figure(heatmap(arr, name), f"plots/{name}.png")
+                self._client.log_figure(self.run_id, heatmap(arr, name), f"plots/{name}.png")
 
     # --- callback hooks -------------------------------------------------------------------------
     def on_start(self, loop) -> None:
         import mlflow
+        from mlflow.tracking import MlflowClient
 
         mlflow.set_tracking_uri(self.uri)
+        self._client = MlflowClient(self.uri)
         resume_file = os.path.join(loop.checkpoint_dir, "mlflow_run_id") if loop.checkpoint_dir else None
         if loop.start_step > 0 and resume_file and os.path.isfile(resume_file):
             run = mlflow.start_run(run_id=open(resume_file).read().strip())
@@ -108,29 +170,40 @@ class MlflowTracker(Callback):
                                            "group": loop.prepared.info.groups or [None] * cfg.clients}),
                              "results/clients.json")
         self.run_id = run.info.run_id
+        self.client_metrics = loop.cfg.clients <= loop.cfg.client_metrics
+        self.writer = Writer()
         if resume_file:
             os.makedirs(loop.checkpoint_dir, exist_ok=True)
             with open(resume_file, "w") as f:
                 f.write(self.run_id)
 
     def on_setup(self, loop) -> None:
-        import mlflow
-
         if loop.setup_metrics:
-            mlflow.log_metrics({f"setup/{k}": v for k, v in numeric(loop.setup_metrics).items()}, step=0)
+            metrics = {f"setup/{k}": v for k, v in numeric(loop.setup_metrics, finite_only=False).items()}
+            self._submit(lambda: self._log_metrics(metrics, 0))
 
     def on_round(self, loop, record) -> None:
-        import mlflow
+        step, per_client = record.step, record.per_client
+        metrics = {**numeric(record.metrics, finite_only=False), "participants": float(len(record.participants))}
+        arrays = loop.server.round_artifacts(step)
 
-        metrics = numeric(record.metrics)
-        metrics["participants"] = len(record.participants)
-        for cid, rec in record.per_client.items():
-            for k, v in numeric(rec).items():
-                if not k.startswith("n_") and k != "seconds":
-                    metrics[f"client/{cid}/{k}"] = v
-        mlflow.log_metrics(metrics, step=record.step)
-        for name, arr in loop.server.round_artifacts(record.step).items():
-            self._log_array(f"{name}_{record.step:04d}.npy", arr, f"rounds/{name}")
+        def job():
+            values = dict(metrics)
+            if per_client:
+                table = pd.DataFrame([{"client": c, **rec} for c, rec in sorted(per_client.items())])
+                table.insert(0, "round", step + 1)
+                self._log_file(f"round_{step + 1:04d}.csv", lambda p: table.to_csv(p, index=False),
+                               "results/clients")
+                if self.client_metrics:
+                    for cid, rec in per_client.items():
+                        for k, v in numeric(rec, finite_only=False).items():
+                            if not k.startswith("n_") and k != "seconds":
+                                values[f"{CLIENT_PREFIX}{cid}/{k}"] = v
+            self._log_metrics(values, step)
+            for name, arr in arrays.items():
+                self._log_array(f"{name}_{step:04d}.npy", arr, f"rounds/{name}")
+
+        self._submit(job)
 
     def on_end(self, loop) -> None:
         import mlflow
@@ -141,24 +214,47 @@ class MlflowTracker(Callback):
         table = pd.DataFrame([{"client": c, "n_train": info.n_train[c],
                                "group": info.groups[c] if info.groups else None, **rec}
                               for c, rec in sorted(loop.last_eval.items())])
-        self._log_object("per_client", table, "results")
-        self._log_object("rounds", pd.DataFrame(loop.history), "results")
+        history = pd.DataFrame(loop.history)
         final = loop.server.final_model()
-        if final is not None:
-            self._log_array("global.npy", loop.runtime.get([final])[0], "models")
+        final_vec = loop.runtime.get([final])[0] if final is not None else None
         vectors = loop.runtime.client_vectors()
-        path = os.path.join(self._tmp, "clients.npz")
-        np.savez_compressed(path, **{f"client_{c}": v for c, v in sorted(vectors.items())})
-        mlflow.log_artifact(path, "models")
-        mlflow.log_figure(accuracy_plot(loop.history), "plots/accuracy.png")
-        for name, obj in loop.server.artifacts().items():
-            self._log_object(name, obj, "algorithm")
-        mlflow.log_metrics({f"final_{k}": v for k, v in numeric(loop.final).items()})
+        artifacts = loop.server.artifacts()
+        final_metrics = {f"final_{k}": v for k, v in numeric(loop.final, finite_only=False).items()}
+        hist = list(loop.history)
+
+        def job():
+            self._log_object("per_client", table, "results")
+            self._log_object("rounds", history, "results")
+            if final_vec is not None:
+                self._log_array("global.npy", final_vec, "models")
+            if vectors:  # personal weights only (FedAvg's clients have none)
+                self._log_file("clients.npz", lambda p: np.savez_compressed(
+                    p, **{f"client_{c}": v for c, v in sorted(vectors.items())}), "models")
+            self._client.log_figure(self.run_id, accuracy_plot(hist), "plots/accuracy.png")
+            for name, obj in artifacts.items():
+                self._log_object(name, obj, "algorithm")
+            self._log_metrics(final_metrics, hist[-1]["step"] if hist else 0)
+
+        self._submit(job)
+        self._close()
         mlflow.end_run()
+
+    def _close(self) -> None:
+        """Drain the writer (raising its first error), then remove the temporary files."""
+        try:
+            if self.writer is not None:
+                self.writer.flush()
+                self.writer.close()
+        finally:
+            self.writer = None
+            shutil.rmtree(self._tmp, ignore_errors=True)
 
     def fail(self, status: str = "FAILED") -> None:
         """Close the run as FAILED (or KILLED when stopped on request), keeping all logged so far."""
         import mlflow
 
-        if mlflow.active_run() is not None:
-            mlflow.end_run(status=status)
+        try:
+            self._close()
+        finally:
+            if mlflow.active_run() is not None:
+                mlflow.end_run(status=status)

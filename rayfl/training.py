@@ -16,26 +16,63 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def to_vector(model: nn.Module) -> np.ndarray:
-    """All floating-point state (parameters and buffers) as one float32 numpy vector."""
+def _float_state(model: nn.Module) -> list[torch.Tensor]:
+    """The floating-point parameters and buffers, in state_dict order: what a weight vector holds."""
+    return [t for t in model.state_dict(keep_vars=True).values() if t.is_floating_point()]
+
+
+def flatten(model: nn.Module) -> nn.Module:
+    """Re-point every floating parameter and buffer of ``model`` into one contiguous tensor, in place.
+
+    Loading a weight vector is then one copy and reading one is one copy (``load_vector``/``to_vector``
+    take a fast path): what lets a host keep one resident model and swap its clients' weights in and out,
+    as pfl-research does. Models with tied weights keep the general path."""
+    tensors = _float_state(model)
+    if len({id(t) for t in tensors}) != len(tensors) or not tensors:
+        return model
+    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+    offset = 0
     with torch.no_grad():
-        parts = [t.detach().reshape(-1).float() for t in model.state_dict().values() if t.is_floating_point()]
+        for t in tensors:
+            n = t.numel()
+            t.data = flat[offset:offset + n].view_as(t)
+            offset += n
+    model._rayfl_flat = flat
+    return model
+
+
+def to_vector(model: nn.Module) -> np.ndarray:
+    """All floating-point state (parameters and buffers) as one float32 numpy vector (a copy)."""
+    flat = getattr(model, "_rayfl_flat", None)
+    with torch.no_grad():
+        if flat is not None and flat.dtype == torch.float32:
+            return flat.detach().cpu().numpy().copy()
+        parts = [t.detach().reshape(-1).float() for t in _float_state(model)]
         return torch.cat(parts).cpu().numpy()
 
 
-def load_vector(model: nn.Module, vec: np.ndarray) -> nn.Module:
-    """Copy a flat vector made by :func:`to_vector` into the model, in place."""
-    with warnings.catch_warnings():  # object-store arrays are read-only; we only read them
-        warnings.simplefilter("ignore", UserWarning)
-        src = torch.as_tensor(np.asarray(vec))
-    needed = sum(t.numel() for t in model.state_dict().values() if t.is_floating_point())
+def load_vector(model: nn.Module, vec) -> nn.Module:
+    """Copy a flat vector made by :func:`to_vector` (numpy or torch) into the model, in place."""
+    if isinstance(vec, torch.Tensor):
+        src = vec
+    else:
+        with warnings.catch_warnings():  # object-store arrays are read-only; we only read them
+            warnings.simplefilter("ignore", UserWarning)
+            src = torch.as_tensor(np.asarray(vec))
+    flat = getattr(model, "_rayfl_flat", None)
+    if flat is not None:
+        if flat.numel() != src.numel():
+            raise ValueError(f"weight vector has {src.numel()} values, model needs {flat.numel()}")
+        with torch.no_grad():
+            flat.copy_(src.reshape(-1))
+        return model
+    tensors = _float_state(model)
+    needed = sum(t.numel() for t in tensors)
     if needed != src.numel():
         raise ValueError(f"weight vector has {src.numel()} values, model needs {needed}")
     offset = 0
     with torch.no_grad():
-        for t in model.state_dict().values():
-            if not t.is_floating_point():
-                continue
+        for t in tensors:
             n = t.numel()
             t.copy_(src[offset:offset + n].view_as(t))
             offset += n
@@ -68,20 +105,18 @@ def train_epochs(model: nn.Module, x: torch.Tensor, y: torch.Tensor, epochs: int
     """Minibatch SGD over (x, y) for some epochs; returns the mean training loss of the last epoch."""
     model.train()
     n = x.shape[0]
-    last = float("nan")
+    total = None
     for _ in range(epochs):
         order = torch.randperm(n, generator=gen).to(x.device)
-        total, seen = 0.0, 0
+        total = torch.zeros((), dtype=torch.float64, device=x.device)  # summed on the device: no sync per batch
         for start in range(0, n, batch_size):
             idx = order[start:start + batch_size]
             optimizer.zero_grad(set_to_none=True)
             loss = loss_fn(model(x[idx]), y[idx])
             loss.backward()
             optimizer.step()
-            total += loss.item() * idx.numel()
-            seen += idx.numel()
-        last = total / max(seen, 1)
-    return last
+            total += loss.detach() * idx.numel()
+    return float(total) / n if total is not None and n else float("nan")
 
 
 @torch.no_grad()
@@ -92,12 +127,14 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, task: str, batc
         return float("nan"), float("nan")
     model.eval()
     loss_fn = loss_fn_for(task)
-    total, correct = 0.0, 0
+    total = torch.zeros((), dtype=torch.float64, device=x.device)
+    correct = torch.zeros((), dtype=torch.int64, device=x.device)
     for start in range(0, n, batch_size):
         out = model(x[start:start + batch_size])
         yb = y[start:start + batch_size]
-        total += loss_fn(out, yb, reduction="sum").item()
+        total += loss_fn(out, yb, reduction="sum")
         if task != "regression":
-            correct += (out.argmax(1) == yb).sum().item()
+            correct += (out.argmax(1) == yb).sum()
+    total = float(total)
     per = total / n if task != "regression" else total / (n * y[0].numel())
-    return per, (correct / n if task != "regression" else float("nan"))
+    return per, (int(correct) / n if task != "regression" else float("nan"))

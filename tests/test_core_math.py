@@ -68,10 +68,31 @@ def test_round_summary_keys():
 
 
 def test_assign_hosts_and_grouping():
-    assert assign_hosts(5, 2) == [[0, 1], [2, 3], [4]]
-    assert assign_hosts(3, 1) == [[0], [1], [2]]
+    assert assign_hosts(5, 3) == [[0, 1], [2], [3, 4]]  # spread evenly: sizes differ by at most one
+    assert assign_hosts(3, 3) == [[0], [1], [2]]
+    assert assign_hosts(3, 8) == [[0], [1], [2]]  # never an empty host
     host_of = {0: 0, 1: 0, 2: 1}
     assert group_by_host({2: "c", 0: "a"}, host_of) == {0: [(0, "a")], 1: [(2, "c")]}
+
+
+def test_auto_placement_counts_slots_in_a_cluster_description():
+    from rayfl.actors.resources import n_actors_for, slots
+    from rayfl.runtime import hosts_for
+
+    GiB = 2**30
+    ten, thousand = make_config(None, {"clients": 10}), make_config(None, {"clients": 1000})
+    assert ten.clients_per_actor == "auto"
+    assert slots(ten, {"CPU": 2.0, "memory": 15 * GiB}) == 2  # this box: one actor per core
+    assert n_actors_for(ten, {"CPU": 2.0, "memory": 15 * GiB}) == 2
+    assert n_actors_for(ten, {"CPU": 1.95}) == 2  # a sweep's share, less the trial's own sliver
+    assert n_actors_for(ten, {"CPU": 64.0, "GPU": 4.0, "memory": 256 * GiB}) == 10  # a slot for each client
+    assert n_actors_for(thousand, {"CPU": 64.0, "memory": 8 * GiB}) == 16  # memory-bound: 0.5 GiB an actor
+    assert n_actors_for(make_config(None, {"clients": 10, "torch_threads": 2}), {"CPU": 8.0}) == 4
+    assert n_actors_for(make_config(None, {"clients": 10, "clients_per_actor": 3}), {"CPU": 64.0}) == 4
+    assert [len(b) for b in hosts_for(thousand, 2)] == [500, 500]
+    assert make_config(None, {"clients_per_actor": "4"}).clients_per_actor == 4
+    with pytest.raises(UserError, match="clients_per_actor='many': must be auto or an integer >= 1"):
+        make_config(None, {"clients_per_actor": "many"}).check()
 
 
 def test_resources_share_the_cluster():

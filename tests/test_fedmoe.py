@@ -16,6 +16,7 @@ from rayfl.client import Client, TrainSettings
 from rayfl.config import make_config
 from rayfl.experiment import prepare
 from rayfl.loop import Callback, Loop
+from rayfl.reduce import reduce_uploads
 from rayfl.runtime import LocalRuntime
 from rayfl.training import evaluate
 
@@ -114,11 +115,12 @@ def test_stage1_opt_out_and_best_validation_selection():
     val_by_round = [0.9, 0.4, 0.6, 0.5]
     called: list = []
 
-    def call(step, msgs):
+    def call(step, msgs, reduce=None):
         called.append((step, sorted(msgs)))
         rnd = sum(1 for s, _ in called if s == "train") - 1
         if step == "train":
-            return {c: {"weights": np.full(3, rnd + 1, np.float32), "n": 5, "train_loss": 0.0} for c in msgs}
+            return reduce_uploads(reduce, {c: {"weights": np.full(3, rnd + 1, np.float32), "n": 5, "train_loss": 0.0}
+                                           for c in msgs})
         return {c: {"val_loss": val_by_round[rnd]} for c in msgs}
 
     stage = server.stages()[0]

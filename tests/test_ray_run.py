@@ -47,11 +47,13 @@ def test_baseline_on_ray_learns_and_is_tracked(ray_session, mlflow_uri, algo):
                 "test_loss_mean", "val_acc_mean", "final_test_acc_mean"):
         assert key in run.data.metrics, key
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
-    nested = {a.path for d in ("results", "models", "plots") for a in client.list_artifacts(run.info.run_id, d)}
+    nested = {a.path for d in ("results", "models", "plots", "results/clients")
+              for a in client.list_artifacts(run.info.run_id, d)}
     assert {"config.yaml", "placement.json"} <= artifacts
-    assert {"results/per_client.csv", "results/rounds.csv", "models/clients.npz", "plots/accuracy.png"} <= nested
-    if algo != "local":
-        assert "models/global.npy" in nested
+    assert {"results/per_client.csv", "results/rounds.csv", "plots/accuracy.png"} <= nested
+    assert {f"results/clients/round_{r:04d}.csv" for r in range(1, n_rounds + 1)} <= nested  # one table a round
+    assert ("models/global.npy" in nested) == (algo != "local")
+    assert ("models/clients.npz" in nested) == (algo != "fedavg")  # FedAvg's clients keep no model of their own
     placement = json.loads(open(client.download_artifacts(run.info.run_id, "placement.json")).read())["placement"]
     assert sorted(c for a in placement for c in a["clients"]) == [0, 1, 2]
 

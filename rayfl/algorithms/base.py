@@ -12,7 +12,9 @@ An algorithm is one module in ``rayfl/algorithms/`` that defines three things an
 ``Server`` (driver side, subclass of :class:`Server`)
     Holds the driver-side state (a global model, FedFomo's P, stored uploads) and writes one round
     top to bottom in :meth:`Server.run_round`. It talks to clients only through ``call(step, messages)``,
-    which runs the named client step on many clients in parallel and returns their uploads. Models travel
+    which runs the named client step on many clients in parallel and returns their uploads. Where the
+    server only needs a sum, ``call(step, messages, reduce=WeightedMean("weights", by="n"))`` gives it
+    ``uploads.reduced["weights"]`` without moving every client's vector (:mod:`rayfl.reduce`). Models travel
     as *handles* (a Ray ObjectRef under Ray, the array itself in one process): ``self.put`` makes one,
     ``self.get`` reads some; routing a handle from one client to another never pulls it into the driver.
 
@@ -23,6 +25,8 @@ An algorithm is one module in ``rayfl/algorithms/`` that defines three things an
     a list of vectors, or a dict key -> vector; an empty list or dict stays present, empty). A step returns a small dict, its *upload*; a vector meant
     to stay in the object store is wrapped with ``client.share(vec)``, which the driver sees as a handle.
     ``step_evaluate`` (default: evaluate ``client.model``) reports the personalized model's metrics.
+    ``client.model`` is the client's personal model, made on first use; a step that trains a working copy
+    that is not the client's own (FedAvg) uses ``client.scratch(vec)`` and so keeps no personal weights.
 
 The shared loop (:mod:`rayfl.loop`) owns everything else: participant sampling, dispatch, evaluation,
 the summary across clients, logging, checkpoints and timing. Stages (PersFL's distillation, FedMoE's
@@ -42,7 +46,7 @@ import numpy as np
 
 Message = dict  # driver -> client: {"models": {...handles...}, other small values}
 Upload = dict  # client -> driver: small values, and handles made with client.share
-Call = Callable[[str, Mapping[int, Message]], "dict[int, Upload]"]
+Call = Callable[..., "dict[int, Upload]"]  # call(step, messages, reduce=None)
 
 
 @dataclass(frozen=True)

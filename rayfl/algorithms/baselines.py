@@ -1,7 +1,8 @@
 """The baselines every comparison needs: Local (no federation), FedAvg, and FedAvg + local fine-tuning.
 
 FedAvg (McMahan et al. 2017): each sampled client trains from the global model, the server averages
-the uploads weighted by training-set size. FedAvg-FT: the same rounds, then one stage in which every
+the uploads weighted by training-set size. A FedAvg client keeps no model of its own: it trains a working
+copy of the global model and is evaluated on the global model. FedAvg-FT: the same rounds, then one stage in which every
 client fine-tunes the final global model on its own training split and keeps it.
 """
 
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rayfl.algorithms.base import Algorithm, ClientLogic, NoParams, Server, Stage
-from rayfl.training import weighted_average
+from rayfl.reduce import WeightedMean
 
 
 def weighted_mean(ups: dict, key: str, weight: str = "n") -> float:
@@ -26,14 +27,15 @@ class FedAvgServer(Server):
         super().__init__(*args, **kwargs)
         self.global_ref = self.initial
 
-    def average(self, ups: dict) -> None:
-        """Replace the global model by the size-weighted average of the uploaded models."""
-        vectors = self.get([u["weights"] for u in ups.values()])
-        self.global_ref = self.put(weighted_average(vectors, [u["n"] for u in ups.values()]))
+    def train_and_average(self, call, messages: dict) -> dict:
+        """Clients train from the global model; it becomes the size-weighted mean Σ_k n_k θ_k / Σ_k n_k of
+        the trained models (summed inside each client actor, one partial sum per actor)."""
+        ups = call("train", messages, reduce=WeightedMean("weights", by="n"))
+        self.global_ref = self.put(ups.reduced["weights"])
+        return ups
 
     def run_round(self, stage, rnd, participants, call):
-        ups = call("train", {c: {"models": {"global": self.global_ref}} for c in participants})
-        self.average(ups)
+        ups = self.train_and_average(call, {c: {"models": {"global": self.global_ref}} for c in participants})
         return {"train_loss": weighted_mean(ups, "train_loss")}
 
     def eval_messages(self, stage, rnd, cids):
@@ -51,14 +53,12 @@ class FedAvgServer(Server):
 
 class FedAvgClient(ClientLogic):
     def step_train(self, client, msg, models):
-        client.load(models["global"])
-        result = client.fit()
-        return {"weights": client.share(client.vector()), **result}
+        model = client.scratch(models["global"])
+        result = client.fit(model)
+        return {"weights": client.vector(model), **result}
 
     def step_evaluate(self, client, msg, models):
-        if "global" in models:
-            client.load(models["global"])
-        return client.evaluate(client.model)
+        return client.evaluate(client.scratch(models["global"]) if "global" in models else client.model)
 
 
 @dataclass

@@ -196,8 +196,7 @@ class FedMoEServer(FedAvgServer):
     def _fedavg_round(self, rnd, call):
         """Eq. (2) over M sampled opted-in clients, then model selection on their validation loss (§3.2)."""
         sampled = sorted(int(c) for c in self.rng.choice(self.opt_in, size=self.per_round, replace=False))
-        ups = call("train", {c: {"models": {"global": self.global_ref}} for c in sampled})
-        self.average(ups)
+        ups = self.train_and_average(call, {c: {"models": {"global": self.global_ref}} for c in sampled})
         metrics = {"train_loss": weighted_mean(ups, "train_loss"), "fedavg_participants": float(len(sampled))}
         if (rnd + 1) % self.params.select_every == 0 or rnd == self.info.rounds - 1:
             vals = call("validate", {c: {"models": {"global": self.global_ref}} for c in sampled})

@@ -205,10 +205,9 @@ class PersFLServer(FedAvgServer):
     def fedavg_round(self, rnd, participants, call):
         """FedAvg; every client also checks the global it receives as a teacher candidate (Alg. 1 l. 3-9)."""
         chosen = set(participants)
-        ups = call("train", {c: {"models": {"global": self.global_ref}, "round": rnd, "train": c in chosen}
-                             for c in range(self.info.n_clients)})
+        ups = self.train_and_average(call, {c: {"models": {"global": self.global_ref}, "round": rnd,
+                                                "train": c in chosen} for c in range(self.info.n_clients)})
         trained = {c: u for c, u in ups.items() if c in chosen}
-        self.average(trained)
         return {"train_loss": weighted_mean(trained, "train_loss")}
 
     def distill_round(self, call):

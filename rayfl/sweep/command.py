@@ -223,11 +223,10 @@ def _plan_from_meta(meta: dict) -> Plan:
 
 
 def _default_concurrency(meta: dict, cluster: dict) -> int:
-    from rayfl.actors.resources import DRIVER_CPUS
-    from rayfl.runtime import assign_hosts
+    from rayfl.actors.resources import DRIVER_CPUS, n_actors_for
 
     cfg = make_config(None, meta["base"])
-    n_actors = len(assign_hosts(cfg.clients, cfg.clients_per_actor))
+    n_actors = n_actors_for(cfg, cluster)
     per_trial = TRIAL_CPUS + DRIVER_CPUS + n_actors * (cfg.cpus_per_actor or cfg.torch_threads)
     return max(1, min(meta["n_trials"], int(cluster.get("CPU", 1.0) // per_trial)))
 

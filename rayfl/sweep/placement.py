@@ -16,11 +16,11 @@ TRIAL_CPUS = 0.05  # the trial function mostly waits on its driver
 def trial_bundles(cfg, share: dict) -> list[dict]:
     """``[trial, driver, client actor 0, ...]`` for one trial with ``share`` of the cluster
     (``{"CPU": c, "GPU": g}`` = cluster / max concurrent trials). Every actor asks exactly its bundle."""
-    from rayfl.actors.resources import DRIVER_CPUS, plan_actor_resources
-    from rayfl.runtime import assign_hosts
+    from rayfl.actors.resources import DRIVER_CPUS, n_actors_for, plan_actor_resources
 
-    n_actors = len(assign_hosts(cfg.clients, cfg.clients_per_actor))
-    res = plan_actor_resources(cfg, n_actors, {"CPU": share["CPU"] - TRIAL_CPUS, "GPU": share.get("GPU", 0.0)})
+    room = {"CPU": share["CPU"] - TRIAL_CPUS, "GPU": share.get("GPU", 0.0)}
+    n_actors = n_actors_for(cfg, room)
+    res = plan_actor_resources(cfg, n_actors, room)
     actor = {"CPU": res.num_cpus}
     if res.num_gpus > 0:
         actor["GPU"] = res.num_gpus

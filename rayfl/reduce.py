@@ -1,0 +1,74 @@
+"""Reductions a server can ask of a client step: where the algorithm only needs a sum, each host returns one
+partial sum for its clients and the driver combines one vector per host, instead of one per client.
+
+    ups = call("train", messages, reduce=WeightedMean("weights", by="n"))
+    global_model = ups.reduced["weights"]          # Σ_k n_k θ_k / Σ_k n_k over the participants
+
+The reduced field is taken out of each client's upload; every other field arrives as usual.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class WeightedMean:
+    """Σ_k w_k v_k / Σ_k w_k of upload field ``key``, with w_k the upload's field ``by`` (float64 sums)."""
+
+    key: str = "weights"
+    by: str = "n"
+
+
+class Uploads(dict):
+    """Client id -> upload, plus ``reduced``: field -> the combined value of each requested reduction."""
+
+    def __init__(self, *args, reduced: dict | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.reduced = reduced or {}
+
+
+Partial = dict  # field -> (Σ w_k v_k as float64, Σ w_k), one per host
+
+
+def accumulate(reduce: WeightedMean | None, upload: dict, partial: Partial) -> None:
+    """Move one upload's reduced field into the host's running partial sum (in place); an upload without
+    the field (a client that only evaluated) adds nothing."""
+    if reduce is None or reduce.key not in upload:
+        return
+    vec = np.asarray(upload.pop(reduce.key), dtype=np.float64)
+    w = float(upload[reduce.by])
+    total, weight = partial.get(reduce.key, (None, 0.0))
+    if w > 0:
+        if total is None:
+            total = w * vec
+        else:
+            total += w * vec
+        weight += w
+    partial[reduce.key] = (total, weight)
+
+
+def combine(reduce: WeightedMean | None, partials: list[Partial]) -> dict:
+    """The driver's side: add the hosts' partial sums in host order, divide once, back to float32."""
+    if reduce is None:
+        return {}
+    total, weight = None, 0.0
+    for part in partials:
+        t, w = part.get(reduce.key, (None, 0.0))
+        if t is not None:
+            total = t.copy() if total is None else total + t
+            weight += w
+    if total is None or weight <= 0:
+        raise ValueError(f"WeightedMean({reduce.key!r}) needs at least one upload with positive {reduce.by!r}")
+    return {reduce.key: (total / weight).astype(np.float32)}
+
+
+def reduce_uploads(reduce: WeightedMean | None, uploads: dict) -> Uploads:
+    """Uploads reduced as one host would (for fakes of ``call`` in tests and one-process tools)."""
+    partial: Partial = {}
+    uploads = {c: dict(u) for c, u in uploads.items()}
+    for up in uploads.values():
+        accumulate(reduce, up, partial)
+    return Uploads(uploads, reduced=combine(reduce, [partial]))
