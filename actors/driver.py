@@ -7,6 +7,7 @@ CLI or a Tune trial, sees each round as it ends.
 from __future__ import annotations
 
 import threading
+import time
 
 import ray
 
@@ -23,7 +24,8 @@ class RoundQueue(Callback):
     def on_round(self, loop, record) -> None:
         with self._lock:
             self._items.append({"step": record.step, "stage": record.stage, "metrics": record.metrics,
-                                "participants": len(record.participants), "total": len(loop.schedule())})
+                                "participants": len(record.participants), "total": len(loop.schedule()),
+                                "time": time.time()})  # when the round ended, evaluation and logging included
 
     def drain(self) -> list[dict]:
         with self._lock:

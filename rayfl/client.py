@@ -43,10 +43,16 @@ class TrainSettings:
 class Bench:
     """A host's resident modules: ``resident`` carries whichever client's personal weights are checked out
     (copied in on first use, copied back when another client takes it or the host call ends), ``spare`` is a
-    working model any step may load a vector into (FedAvg's training copy, candidate losses)."""
+    working model any step may load a vector into (FedAvg's training copy), and ``loaded`` keeps the models
+    that received vectors (peers' models, candidates) loaded for the rest of one host call, so that a vector
+    routed to several clients of a host is loaded once (FedeRiCo's mixtures, FedFomo's candidates)."""
+
+    MAX_LOADED = 64  # models kept loaded within a call (a step may use more at once: then there are more)
 
     def __init__(self, make_model: Callable[[], nn.Module], initial: np.ndarray | None, device: str = "cpu"):
         self.make_model, self.device = make_model, device
+        self.loaded: dict[int, tuple] = {}  # id(vector) -> (vector, module, step that last used it)
+        self.step = 0  # advanced by the host before each client's step
         self.resident = self.fresh()
         if initial is None:  # no common initial model: a freshly initialised one
             initial = training.to_vector(self.resident)
@@ -64,6 +70,28 @@ class Bench:
             training.load_vector(self.resident, client._weights if client._weights is not None else self.initial)
             self.owner = client
         return self.resident
+
+    def model_of(self, vec) -> nn.Module:
+        """A model holding ``vec`` (read only), shared by this host's clients until the call ends."""
+        key = id(vec)
+        hit = self.loaded.pop(key, None)
+        if hit is not None and hit[0] is vec:  # the entry holds vec, so its id cannot have been reused
+            self.loaded[key] = (vec, hit[1], self.step)
+            return hit[1]
+        module = None
+        if len(self.loaded) >= self.MAX_LOADED:  # reuse the oldest model not used by the current step
+            old = next((k for k, (_, _, step) in self.loaded.items() if step != self.step), None)
+            if old is not None:
+                module = self.loaded.pop(old)[1]
+        module = module if module is not None else self.fresh()
+        training.load_vector(module, vec)
+        self.loaded[key] = (vec, module, self.step)
+        return module
+
+    def end_call(self) -> None:
+        """The host call is over: weights go home, loaded vectors are let go."""
+        self.release()
+        self.loaded.clear()
 
     def release(self) -> None:
         """Copy the checked-out client's weights home; the resident module is free again."""
@@ -124,6 +152,11 @@ class Client:
         For a working copy that is not the client's own (FedAvg's local training, candidate losses)."""
         return training.load_vector(self._bench.spare, vec)
 
+    def model_of(self, vec) -> nn.Module:
+        """A model holding another party's vector (a peer's model, a candidate), read only: loaded once per
+        host call however many of the host's clients use it."""
+        return self._bench.model_of(vec)
+
     def load(self, vec: np.ndarray, model: nn.Module | None = None) -> nn.Module:
         return training.load_vector(model if model is not None else self.model, vec)
 
@@ -138,8 +171,7 @@ class Client:
         model = model if model is not None else self.model
         s = self.settings
         if optimizer is None:
-            optimizer = training.make_optimizer(model.parameters(), s.optimizer, lr or s.lr, s.momentum,
-                                                s.weight_decay)
+            optimizer = training.optimizer_for(model, s.optimizer, lr or s.lr, s.momentum, s.weight_decay)
         x, y = self.splits[split]
         if x.shape[0] == 0:
             return {"train_loss": float("nan"), "n": 0}
@@ -148,9 +180,9 @@ class Client:
         return {"train_loss": loss, "n": int(x.shape[0])}
 
     def loss_of(self, vec: np.ndarray, split: str = "val") -> float:
-        """Loss of a weight vector on a split, in the host's spare model (no allocation per candidate):
-        how FedFomo weighs downloads and PersFL checks teacher candidates."""
-        return self.loss(self.scratch(vec), split)
+        """Loss of a weight vector on a split (loaded once per host call, see ``model_of``): how FedFomo
+        weighs downloads and PersFL checks teacher candidates."""
+        return self.loss(self.model_of(vec), split)
 
     def loss(self, model: nn.Module, split: str = "val") -> float:
         x, y = self.splits[split]

@@ -85,6 +85,11 @@ def mlp_784_100(input_shape: tuple, num_outputs: int) -> nn.Module:
     return nn.Sequential(nn.Flatten(), nn.Linear(_flat(input_shape), 100), nn.ReLU(), nn.Linear(100, num_outputs))
 
 
+def mlp_784_200(input_shape: tuple, num_outputs: int) -> nn.Module:
+    """One hidden layer of 200 ReLU units (the MLP of the platform benchmarks, benchmarks/bench_peers.py)."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(_flat(input_shape), 200), nn.ReLU(), nn.Linear(200, num_outputs))
+
+
 def mlp_small(input_shape: tuple, num_outputs: int) -> nn.Module:
     """One hidden layer of 64 ReLU units: enough for digits and the synthetic mixture, cheap on 2 cores."""
     return nn.Sequential(nn.Flatten(), nn.Linear(_flat(input_shape), 64), nn.ReLU(), nn.Linear(64, num_outputs))
@@ -106,6 +111,7 @@ MODELS: dict[str, Callable[[tuple, int], nn.Module]] = {
     "tf-cnn": tf_cnn,
     "lenet5": lenet5,
     "mlp-784-100": mlp_784_100,
+    "mlp-784-200": mlp_784_200,
     "mlp-small": mlp_small,
     "sine-mlp": sine_mlp,
     "logreg": logreg,

@@ -171,3 +171,37 @@ def test_host_resolves_every_named_handle_in_one_batch():
     out = ClientHost._resolve_models(fake, maps)
     assert batches == [[1, 2, 3, 4]]
     assert out == [{"global": 10, "peers": [20, 30], "by_owner": {7: 40}}, {"peers": [], "by_owner": {}}, {}]
+
+
+@pytest.mark.parametrize("momentum,weight_decay", [(0.0, 0.0), (0.9, 0.0), (0.5, 0.01)])
+def test_flat_sgd_steps_like_torch_sgd(momentum, weight_decay):
+    """Three minibatch steps of FlatSGD on a flattened model give torch.optim.SGD's weights."""
+    from torch import nn
+
+    from rayfl.training import FlatSGD, flatten, train_epochs
+
+    torch.manual_seed(0)
+    make = lambda: nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 3))  # noqa: E731
+    ref = make()
+    flat = flatten(load_vector(make(), to_vector(ref)))
+    x, y = torch.randn(12, 5), torch.randint(0, 3, (12,))
+    opts = [torch.optim.SGD(ref.parameters(), lr=0.3, momentum=momentum, weight_decay=weight_decay),
+            FlatSGD(flat, lr=0.3, momentum=momentum, weight_decay=weight_decay)]
+    losses = [train_epochs(m, x, y, 1, 4, o, torch.nn.functional.cross_entropy, torch.Generator().manual_seed(1))
+              for m, o in zip((ref, flat), opts)]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+    assert not np.allclose(to_vector(ref), to_vector(make()))  # it did move
+    np.testing.assert_allclose(to_vector(flat), to_vector(ref), rtol=1e-5, atol=1e-6)
+
+
+def test_flat_model_loads_and_reads_one_vector():
+    from torch import nn
+
+    from rayfl.training import flatten
+
+    model = flatten(nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2)))
+    vec = np.arange(to_vector(model).size, dtype=np.float32)
+    load_vector(model, vec)
+    np.testing.assert_array_equal(to_vector(model), vec)
+    assert model[0].weight.data_ptr() == model._rayfl_flat.data_ptr()  # parameters are views of one tensor
+    np.testing.assert_array_equal(model[1].running_mean.numpy(), vec[12:14])  # buffers too, in state_dict order

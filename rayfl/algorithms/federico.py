@@ -205,14 +205,9 @@ class FedericoServer(Server):
 class FedericoClient(ClientLogic):
     """State per client: ``L`` (EMA losses, length K), ``w`` = softmax(-L), ``next`` (N_i), ``scale`` (n_i/n̄)."""
 
-    def __init__(self, params):
-        super().__init__(params)
-        self._pool: list[nn.Module] = []  # scratch modules for neighbours' models, reused across clients
-
     def _peer_models(self, client, vectors: list) -> list[nn.Module]:
-        while len(self._pool) < len(vectors):
-            self._pool.append(client.new_model())
-        return [client.load(v, m) for v, m in zip(vectors, self._pool)]
+        """Neighbours' models, each loaded once per host call however many of the host's clients use it."""
+        return [client.model_of(v) for v in vectors]
 
     def init_client(self, client):
         # [CHOICE] independent initialisation per client (spec §3.6): with one shared φ^(0) all losses tie at

@@ -1,0 +1,51 @@
+"""rayfl on the benchmark workload through its public path (config -> prepare -> launch, default placement).
+Prints one JSON line: the driver's wall-clock time at the end of every round (evaluation and logging
+included) and the start-up time from this process's start to the end of the first round."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+T0 = time.time()
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workload", required=True)
+    ap.add_argument("--data-root", required=True)
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra config values")
+    args = ap.parse_args()
+    from workload import config_values
+
+    from rayfl.actors.launch import launch
+    from rayfl.cli import init_ray, parse_params
+    from rayfl.config import make_config
+    from rayfl.experiment import prepare
+    from rayfl.tracking import ensure_experiment
+
+    with tempfile.TemporaryDirectory() as tmp:
+        uri = f"sqlite:///{tmp}/mlflow.db"
+        values = {**config_values(args.workload, args.data_root, args.rounds, uri), **parse_params(args.set)}
+        prepared = prepare(make_config(None, values))
+        init_ray(None)
+        exp = ensure_experiment(uri, "bench-peers")
+        stamps: list[float] = []
+        out = launch(prepared, {"tracking_uri": uri, "experiment_id": exp, "run_name": args.workload},
+                     on_round=lambda rec: stamps.append(rec["time"]))
+        import ray
+
+        ray.shutdown()
+    print("RESULT " + json.dumps({"stamps": stamps, "startup": stamps[0] - T0,
+                                  "acc": out["final"].get("test_acc_mean")}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
