@@ -43,28 +43,34 @@ class DriverActor:
         self.actor_options = actor_options
         self.queue = RoundQueue()
         self.loop = None
+        # the client actors start now, while this process goes on to import MLflow and open the run
+        from rayfl.actors.runtime import RayRuntime
+
+        scheduling = (lambda i: self.actor_options[i]) if self.actor_options else None
+        self.runtime = RayRuntime(prepared, x_ref[0], y_ref[0], resources, n_actors, scheduling)
 
     def run(self) -> dict:
-        from rayfl.actors.runtime import RayRuntime
         from rayfl.loop import Loop, RunStopped
         from rayfl.tracking import MlflowTracker
 
-        scheduling = (lambda i: self.actor_options[i]) if self.actor_options else None
-        runtime = RayRuntime(self.prepared, self.x_ref[0], self.y_ref[0], self.resources, self.n_actors, scheduling)
-        tracker = MlflowTracker(**self.tracking)
-        loop = self.loop = Loop(self.prepared, runtime, [tracker, self.queue], self.checkpoint_dir)
+        runtime = self.runtime
+        tracker = MlflowTracker(**self.tracking) if self.tracking is not None else None  # None: benchmarks
+        callbacks = [tracker, self.queue] if tracker else [self.queue]
+        loop = self.loop = Loop(self.prepared, runtime, callbacks, self.checkpoint_dir)
         try:
             loop.run()
         except RunStopped:
-            tracker.fail("KILLED")
+            if tracker:
+                tracker.fail("KILLED")
             raise
         except BaseException:
-            tracker.fail()
+            if tracker:
+                tracker.fail()
             raise
         finally:
             runtime.shutdown()
         return {"final": loop.final, "history": loop.history, "per_client": loop.last_eval,
-                "run_id": tracker.run_id}
+                "run_id": tracker.run_id if tracker else None}
 
     def poll(self) -> list[dict]:
         return self.queue.drain()

@@ -12,11 +12,12 @@ from rayfl.actors.resources import DRIVER_CPUS, check_fits, n_actors_for, plan_a
 from rayfl.config import UserError
 
 
-def launch(prepared, tracking: dict, checkpoint_dir: str | None = None,
+def launch(prepared, tracking: dict | None, checkpoint_dir: str | None = None,
            on_round: Callable[[dict], None] | None = None, resources=None, driver_options: dict | None = None,
            actor_options: list[dict] | None = None, poll_seconds: float = 0.25,
            stop_grace_seconds: float = 30.0, cluster_may_grow: bool = False) -> dict:
-    """Run ``prepared`` on the connected Ray cluster; ``on_round`` sees each round's record.
+    """Run ``prepared`` on the connected Ray cluster; ``on_round`` sees each round's record. ``tracking``
+    names the MLflow run to log to (None: no MLflow at all, for benchmarks that measure its cost).
 
     A request larger than the cluster is a user error on a private local instance; on a cluster that
     may grow (an autoscaling one we connected to) it only warns, and the actors wait for nodes."""

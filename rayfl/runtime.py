@@ -12,7 +12,6 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from rayfl.host import ClientHost
 from rayfl.reduce import Uploads, combine
 
 
@@ -73,6 +72,8 @@ class LocalRuntime:
     def __init__(self, prepared, n_hosts: int | None = None):
         """``n_hosts``: how many hosts to spread the clients over (default: the config's placement, one
         host for ``auto``)."""
+        from rayfl.host import ClientHost
+
         cfg, fed = prepared.cfg, prepared.federation
         blocks = assign_hosts(cfg.clients, n_hosts) if n_hosts else hosts_for(cfg)
         self.host_of = {c: h for h, block in enumerate(blocks) for c in block}

@@ -1,0 +1,120 @@
+"""rayfl at scale on one box: 1,000 clients (participation 0.1) and 10,000 clients (participation 0.01).
+
+For each population: rayfl through its public path with the default (automatic) placement and MLflow
+tracking on; the same run without MLflow (the cost of tracking is the difference); and the same rounds in
+one process by the ``LocalRuntime`` (the ratio the issue sets: at most 0.65x, ideal 0.5x on 2 cores).
+Steady round = median of rounds 2..end, training and evaluation of every client included; peak memory =
+summed USS of the whole process tree (sampled every 0.2 s). Each measurement is its own fresh process.
+
+Data: the real MNIST test set for 1,000 clients (10 images each); for 10,000 clients, random 28x28 images
+(10 each; the real set has only 10,000). Model: the MLP 784-200-10 of bench_peers.py.
+
+    .venv/bin/python benchmarks/bench_scale.py                       # both populations
+    .venv/bin/python benchmarks/bench_scale.py --clients 1000 --rounds 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "peers"))
+sys.path.insert(0, HERE)
+from bench_peers import PeakMemory  # noqa: E402
+from workload import steady, write_idx  # noqa: E402
+
+MNIST = os.path.join(HERE, "..", "..", "shared", "datasets", "mnist-t10k")
+PARTICIPATION = {1000: 0.1, 10000: 0.01}
+
+WORKER = r'''
+import json, sys, time, tempfile
+T0 = time.time()
+mode, values = sys.argv[1], json.loads(sys.argv[2])
+from rayfl.config import make_config
+from rayfl.experiment import prepare
+prepared = prepare(make_config(None, values))
+stamps = []
+if mode == "local":
+    import torch
+    from rayfl.loop import Callback, Loop
+    from rayfl.runtime import LocalRuntime
+    torch.set_num_threads(1)
+    class Stamp(Callback):
+        def on_round(self, loop, record):
+            stamps.append(time.time())
+    Loop(prepared, LocalRuntime(prepared), [Stamp()]).run()
+else:
+    import ray
+    from rayfl.actors.launch import launch
+    from rayfl.cli import init_ray
+    from rayfl.tracking import ensure_experiment
+    init_ray(None)
+    tracking = None
+    if mode == "rayfl":
+        tracking = {"tracking_uri": values["tracking_uri"], "run_name": "scale",
+                    "experiment_id": ensure_experiment(values["tracking_uri"], "bench-scale")}
+    launch(prepared, tracking, on_round=lambda rec: stamps.append(rec["time"]))
+    ray.shutdown()
+print("RESULT " + json.dumps({"stamps": stamps, "startup": stamps[0] - T0}), flush=True)
+'''
+
+
+def measure(mode: str, values: dict, timeout: float) -> dict:
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+    with tempfile.TemporaryDirectory() as cwd:
+        values = {**values, "tracking_uri": f"sqlite:///{cwd}/mlflow.db"}
+        t0 = time.time()
+        proc = subprocess.Popen([sys.executable, "-c", WORKER, mode, json.dumps(values)], cwd=cwd, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        with PeakMemory(proc.pid) as mem:
+            out, _ = proc.communicate(timeout=timeout)
+    lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"{mode} failed (exit {proc.returncode}):\n" + "\n".join(out.splitlines()[-15:]))
+    r = json.loads(lines[-1][len("RESULT "):])
+    return {"steady": steady(r["stamps"]), "peak": mem.peak, "startup": r["startup"], "wall": time.time() - t0}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--clients", type=int, nargs="+", default=[1000, 10000], choices=sorted(PARTICIPATION))
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--modes", default="rayfl,no-mlflow,local")
+    ap.add_argument("--timeout", type=float, default=1800)
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory() as random_root:
+        rows = {}
+        for k in args.clients:
+            root = MNIST
+            if k > 1000 or not os.path.isdir(MNIST):
+                root = random_root
+                write_idx(root, 10 * k)
+            values = {"algo": "fedavg", "dataset": "mnist", "data_root": os.path.abspath(root), "partition": "iid",
+                      "clients": k, "samples_per_client": 10, "participation": PARTICIPATION[k],
+                      "model": "mlp-784-200", "rounds": args.rounds, "lr": 0.05, "batch_size": 32,
+                      "experiment": "bench-scale"}
+            for mode in args.modes.split(","):
+                r = measure(mode, values, args.timeout)
+                rows[(k, mode)] = r
+                print(f"{k:6d} clients  {mode:9s}  {r['steady']:.3f} s/round  peak {r['peak'] / 2**30:.2f} GiB  "
+                      f"first round after {r['startup']:.1f} s  wall {r['wall']:.0f} s", flush=True)
+    print()
+    for k in args.clients:
+        have = {m for kk, m in rows if kk == k}
+        if {"rayfl", "local"} <= have:
+            print(f"{k} clients: rayfl/LocalRuntime = {rows[(k, 'rayfl')]['steady'] / rows[(k, 'local')]['steady']:.2f}")
+        if {"rayfl", "no-mlflow"} <= have:
+            cost = rows[(k, "rayfl")]["steady"] / rows[(k, "no-mlflow")]["steady"] - 1
+            print(f"{k} clients: tracking cost = {100 * cost:+.1f}% of a round")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
