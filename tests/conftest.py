@@ -34,3 +34,19 @@ def ray_session():
 @pytest.fixture
 def mlflow_uri(tmp_path):
     return f"sqlite:///{tmp_path}/mlflow.db"
+
+
+def random_mnist(directory, n: int, seed: int = 0) -> str:
+    """n random 28x28 images with labels 0-9 as MNIST t10k IDX files (read through the real loader)."""
+    import gzip
+    import struct
+
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    os.makedirs(directory, exist_ok=True)
+    with gzip.open(os.path.join(directory, "t10k-images-idx3-ubyte.gz"), "wb") as f:
+        f.write(struct.pack(">IIII", 2051, n, 28, 28) + rng.integers(0, 256, (n, 28, 28), dtype=np.uint8).tobytes())
+    with gzip.open(os.path.join(directory, "t10k-labels-idx1-ubyte.gz"), "wb") as f:
+        f.write(struct.pack(">II", 2049, n) + rng.integers(0, 10, n, dtype=np.uint8).tobytes())
+    return str(directory)

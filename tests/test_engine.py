@@ -1,0 +1,111 @@
+"""The engine in one process: reductions, placement-independence of results, the background MLflow writer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mlflow.tracking import MlflowClient
+
+from conftest import tiny
+from rayfl.algorithms.base import RunInfo
+from rayfl.algorithms.baselines import FedAvgServer
+from rayfl.experiment import prepare
+from rayfl.loop import Loop
+from rayfl.reduce import WeightedMean, accumulate, combine, reduce_uploads
+from rayfl.runtime import LocalRuntime
+from rayfl.tracking import MlflowTracker, ensure_experiment
+
+
+def test_weighted_mean_of_unequal_clients_by_hand():
+    v = {0: np.array([1.0, 0.0], np.float32), 1: np.array([4.0, 2.0], np.float32), 2: np.array([0.0, 8.0], np.float32)}
+    n = {0: 10, 1: 30, 2: 60}
+    expected = np.array([(10 * 1 + 30 * 4 + 0) / 100, (0 + 30 * 2 + 60 * 8) / 100])  # [1.3, 5.4]
+    ups = reduce_uploads(WeightedMean("weights", by="n"), {c: {"weights": v[c], "n": n[c], "loss": 0.1} for c in v})
+    np.testing.assert_allclose(ups.reduced["weights"], [1.3, 5.4], rtol=1e-6)
+    np.testing.assert_allclose(ups.reduced["weights"], expected, rtol=1e-6)
+    assert all("weights" not in u and u["loss"] == 0.1 for u in ups.values())  # the rest arrives as usual
+    # two hosts' partial sums combine to the same mean
+    parts = [{}, {}]
+    for c, host in ((0, 0), (1, 1), (2, 1)):
+        accumulate(WeightedMean(), {"weights": v[c], "n": n[c]}, parts[host])
+    np.testing.assert_allclose(combine(WeightedMean(), parts)["weights"], expected, rtol=1e-6)
+    with pytest.raises(ValueError, match="positive"):
+        combine(WeightedMean(), [{}])
+
+
+def test_fedavg_server_takes_the_size_weighted_mean():
+    info = RunInfo(n_clients=2, rounds=1, participation=1.0, seed=0, n_train=[1, 3])
+    server = FedAvgServer(None, info, lambda x: x, lambda hs: list(hs), np.random.default_rng(0), np.zeros(2, np.float32))
+    trained = {0: np.array([2.0, 2.0], np.float32), 1: np.array([6.0, -2.0], np.float32)}
+
+    def call(step, msgs, reduce=None):
+        return reduce_uploads(reduce, {c: {"weights": trained[c], "n": info.n_train[c], "train_loss": 0.0} for c in msgs})
+
+    server.run_round(server.stages()[0], 0, [0, 1], call)
+    np.testing.assert_allclose(server.final_model(), [(2 + 18) / 4, (2 - 6) / 4])  # [5, -1], not the plain mean [4, 0]
+
+
+@pytest.mark.parametrize("algo", ["fedavg", "local", "fedfomo"])
+def test_results_do_not_depend_on_placement(algo):
+    """One host for all clients, one per client, and an uneven split give the same metrics to float tolerance."""
+    cfg = tiny(algo=algo, clients=5, rounds=3, samples_per_client=40, participation=0.6, sizes="lognormal",
+               params={"M": 2} if algo == "fedfomo" else {})
+    histories = []
+    for hosts in (1, 5, 2):
+        p = prepare(cfg)
+        histories.append(Loop(p, LocalRuntime(p, n_hosts=hosts)).run().history)
+    for other in histories[1:]:
+        assert len(other) == len(histories[0])
+        for a, b in zip(histories[0], other):
+            keys = [k for k in a if k.startswith(("test_", "val_", "train_loss"))]
+            assert keys and set(keys) <= set(b)
+            for k in keys:
+                assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), k
+
+
+class Boom(Exception):
+    pass
+
+
+def test_background_writer_keeps_every_value_when_the_run_fails(tmp_path):
+    """Rounds 1-2 logged through the background writer all reach the store although round 3 fails."""
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    cfg = tiny(algo="fedavg", clients=4, rounds=5)
+    p = prepare(cfg)
+    tracker = MlflowTracker(uri, ensure_experiment(uri, "t"), run_name="fails")
+    loop = Loop(p, LocalRuntime(p), [tracker])
+    original = loop.server.run_round
+
+    def run_round(stage, rnd, participants, call):
+        if rnd == 2:
+            raise Boom()
+        return original(stage, rnd, participants, call)
+
+    loop.server.run_round = run_round
+    with pytest.raises(Boom):
+        try:
+            loop.run()
+        except Boom:
+            tracker.fail()
+            raise
+    client = MlflowClient(uri)
+    run = client.get_run(tracker.run_id)
+    assert run.info.status == "FAILED"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "test_acc_mean")] == [0, 1]
+    assert len(client.get_metric_history(run.info.run_id, "client/3/test_acc")) == 2
+    tables = {a.path for a in client.list_artifacts(run.info.run_id, "results/clients")}
+    assert tables == {"results/clients/round_0001.csv", "results/clients/round_0002.csv"}
+    import pandas as pd
+
+    table = pd.read_csv(client.download_artifacts(run.info.run_id, "results/clients/round_0002.csv"))
+    assert list(table.client) == [0, 1, 2, 3] and (table["round"] == 2).all()
+    assert table.test_acc.mean() == pytest.approx(loop.history[1]["test_acc_mean"])
+
+
+def test_per_client_metrics_only_for_small_federations(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    p = prepare(tiny(algo="fedavg", clients=4, rounds=1, client_metrics=3))
+    tracker = MlflowTracker(uri, ensure_experiment(uri, "t"))
+    Loop(p, LocalRuntime(p), [tracker]).run()
+    metrics = MlflowClient(uri).get_run(tracker.run_id).data.metrics
+    assert "test_acc_mean" in metrics and not any(k.startswith("client/") for k in metrics)
