@@ -22,8 +22,9 @@ demo: venv  ## the main job on the embedded default (digits, offline), logged to
 test: venv  ## the whole test suite (CPU only, no network)
 	$(PY) -m pytest -q
 
-bench: venv  ## the platform benchmark (rayfl vs a plain torch loop); see benchmarks/README.md
-	$(PY) benchmarks/bench_overhead.py
+bench: venv  ## rayfl vs pfl-research and raw Ray on the same FedAvg work; see benchmarks/README.md
+	$(PY) -m pip install --quiet -e '.[bench]' $(TORCH)
+	$(PY) benchmarks/bench_peers.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

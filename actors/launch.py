@@ -8,7 +8,7 @@ from typing import Callable
 import ray
 
 from rayfl.actors.driver import DriverActor
-from rayfl.actors.resources import DRIVER_CPUS, check_fits, n_actors_for, plan_actor_resources
+from rayfl.actors.resources import DRIVER_CPUS, n_actors_for, plan_actor_resources, preflight
 from rayfl.config import UserError
 
 
@@ -22,16 +22,17 @@ def launch(prepared, tracking: dict | None, checkpoint_dir: str | None = None,
     A request larger than the cluster is a user error on a private local instance; on a cluster that
     may grow (an autoscaling one we connected to) it only warns, and the actors wait for nodes."""
     cfg = prepared.cfg
-    cluster = ray.cluster_resources()
-    n_actors = n_actors_for(cfg, cluster) if actor_options is None else len(actor_options)
     if resources is None:
-        resources = plan_actor_resources(cfg, n_actors, cluster)
         try:
-            check_fits(resources, n_actors, ray.cluster_resources(), cfg.clients)
+            n_actors, resources = preflight(cfg, ray.cluster_resources())
         except UserError as e:
             if not cluster_may_grow:
                 raise
             print(f"rayfl: waiting for the autoscaler: {e}", flush=True)
+            n_actors = n_actors_for(cfg, ray.cluster_resources())
+            resources = plan_actor_resources(cfg, n_actors, ray.cluster_resources())
+    else:
+        n_actors = len(actor_options) if actor_options else n_actors_for(cfg, ray.cluster_resources())
     ds = prepared.dataset
     # Wrapped in a list so the driver receives the refs themselves, not the arrays.
     x_ref, y_ref = [ray.put(ds.x)], [ray.put(ds.y)]

@@ -105,3 +105,14 @@ def check_fits(res: ActorResources, n_actors: int, cluster: dict, n_clients: int
         raise UserError(f"{n_actors} client actors need about {n_actors * ACTOR_MEMORY / 2**30:.0f} GiB "
                         f"(0.5 GiB each with torch), the cluster offers {memory / 2**30:.0f} GiB; "
                         f"raise clients_per_actor{hint}, or leave it auto")
+
+
+def preflight(cfg, cluster: dict | None = None) -> tuple[int, ActorResources]:
+    """The placement of a run and its resource check, from a cluster description; with none, from this
+    machine as a private local instance will see it, so that a request that cannot fit is reported before
+    any Ray process starts."""
+    cluster = cluster if cluster is not None else local_cluster()
+    n_actors = n_actors_for(cfg, cluster)
+    resources = plan_actor_resources(cfg, n_actors, cluster)
+    check_fits(resources, n_actors, cluster, cfg.clients)
+    return n_actors, resources

@@ -205,3 +205,14 @@ def test_flat_model_loads_and_reads_one_vector():
     np.testing.assert_array_equal(to_vector(model), vec)
     assert model[0].weight.data_ptr() == model._rayfl_flat.data_ptr()  # parameters are views of one tensor
     np.testing.assert_array_equal(model[1].running_mean.numpy(), vec[12:14])  # buffers too, in state_dict order
+
+
+def test_preflight_refuses_what_this_machine_cannot_hold_before_ray_starts():
+    from rayfl.actors.resources import preflight
+
+    n, res = preflight(make_config(None, {"clients": 10}), {"CPU": 2.0, "memory": 15 * 2**30})
+    assert n == 2 and res.num_cpus == pytest.approx(0.97)
+    with pytest.raises(UserError, match=r"200 client actors need about 100 GiB .* clients_per_actor >= 7"):
+        preflight(make_config(None, {"clients": 200, "clients_per_actor": 1, "cpus_per_actor": 0.005}),
+                  {"CPU": 2.0, "memory": 15 * 2**30})
+    assert preflight(make_config(None, {"clients": 200}))[0] >= 1  # this machine, described before Ray starts
