@@ -21,7 +21,7 @@ RAYFL = [sys.executable, "-m", "rayfl.cli"]
     (["run", "--model", "resnet"], "model='resnet': unknown"),
     (["run", "--clients", "0"], "clients=0: must be an integer >= 1"),
     (["run", "--rounds", "0"], "rounds=0: must be an integer >= 1"),
-    (["run", "--rounds", "two"], "rounds='two': expected int"),
+    (["run", "--rounds", "two"], "rounds='two': must be an integer"),
     (["run", "--participation", "1.5"], "participation=1.5: must be in (0, 1]"),
     (["run", "--participation", "0"], "participation=0.0: must be in (0, 1]"),
     (["run", "--val-frac", "-0.1"], "val_frac=-0.1: must be in [0, 1)"),
