@@ -172,7 +172,7 @@ def init_ray(address: str | None) -> None:
         _set_env(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32),
                  RAY_AUTH_TOKEN_PATH=None)
     else:
-        _probe(address)
+        check_address(address)
         _set_env(RAY_gcs_server_port_wait_time_s=os.environ.get("RAY_gcs_server_port_wait_time_s", "1"))
     _reload_ray_env()
     import ray
@@ -233,9 +233,11 @@ def _reload_ray_env() -> None:
     AuthenticationTokenLoader.instance().reset_cache()
 
 
-def _probe(address: str) -> None:
-    """A Ray address must be HOST:PORT, ray://HOST:PORT or auto, and something must listen there."""
-    if address == "auto":
+def check_address(address: str | None) -> None:
+    """A Ray address must be HOST:PORT, ray://HOST:PORT or auto, and something must listen there (checked
+    before the data is loaded, and again when Ray starts)."""
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address in (None, "local", "auto"):
         return
     target = address[len("ray://"):] if address.startswith("ray://") else address
     host, sep, port = target.rpartition(":")
@@ -372,6 +374,7 @@ def tracking_store(cfg) -> tuple[str, str]:
 
 
 def cmd_run(args) -> int:
+    check_address(args.address)
     if args.resume:
         extra = config_flags_given(args)
         if extra:
