@@ -331,13 +331,14 @@ def load_run_dir(run_dir: str):
     saved = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(saved):
         raise UserError(f"--resume {run_dir!r}: no config.yaml there (not a rayfl run directory)")
+    try:
+        cfg = make_config(None, read_yaml(saved))
+    except UserError as e:
+        raise UserError(f"--resume {run_dir!r}: its config.yaml: {e}") from None
     if not Loop.has_checkpoint(run_dir):
         raise UserError(f"--resume {run_dir!r}: no checkpoint there to go on from (the run saved none: "
                         f"--checkpoint-every N); start it again without --resume")
-    try:
-        return make_config(None, read_yaml(saved))
-    except UserError as e:
-        raise UserError(f"--resume {run_dir!r}: its config.yaml: {e}") from None
+    return cfg
 
 
 def make_run_dir(cfg, run_name: str, uri: str) -> str:
@@ -360,20 +361,21 @@ def make_run_dir(cfg, run_name: str, uri: str) -> str:
     return run_dir
 
 
-def tracking_store(cfg) -> tuple[str, str]:
-    """(resolved tracking URI, experiment id); a store that cannot be opened is one line."""
-    from rayfl.tracking import ensure_experiment, resolve_tracking_uri
+def open_experiment(uri: str, experiment: str) -> str:
+    """The experiment's id in the tracking store; a store that cannot be opened is one line."""
+    from rayfl.tracking import ensure_experiment
 
-    uri = resolve_tracking_uri(cfg.tracking_uri)
     try:
-        return uri, ensure_experiment(uri, cfg.experiment)
+        return ensure_experiment(uri, experiment)
     except Exception as e:  # noqa: BLE001 - MLflow's errors for a bad store vary (sqlite, http, paths)
         detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"tracking_uri={uri!r}: cannot open experiment {cfg.experiment!r} there "
+        raise UserError(f"tracking_uri={uri!r}: cannot open experiment {experiment!r} there "
                         f"({type(e).__name__}: {detail[:200]})") from None
 
 
 def cmd_run(args) -> int:
+    from rayfl.tracking import resolve_tracking_uri
+
     check_address(args.address)
     if args.resume:
         extra = config_flags_given(args)
@@ -387,10 +389,11 @@ def cmd_run(args) -> int:
     from rayfl.experiment import prepare
 
     prepared = prepare(cfg)  # every user mistake surfaces here, before Ray starts
-    uri, exp_id = tracking_store(cfg)
+    uri = resolve_tracking_uri(cfg.tracking_uri)
     run_name = cfg.run_name or f"{cfg.algo}-{cfg.dataset}-{cfg.partition}-s{cfg.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
     if not args.resume:
         run_dir = make_run_dir(cfg, run_name, uri)
+    exp_id = open_experiment(uri, cfg.experiment)
     print(f"rayfl: {cfg.algo} on {cfg.dataset} ({cfg.partition}), {cfg.clients} clients, "
           f"{prepared.info.n_params} parameters ({prepared.model_spec.name}); run directory {run_dir}", flush=True)
 

@@ -203,8 +203,9 @@ def _load_meta(sweep_dir: str) -> dict:
 
 def _new_sweep(args) -> dict:
     """Everything decided and checked before Ray starts: values, space, metric, resources, MLflow parent."""
-    from rayfl.cli import tracking_store
+    from rayfl.cli import open_experiment
     from rayfl.experiment import prepare
+    from rayfl.tracking import resolve_tracking_uri
 
     file_values, flag_values, flag_params = _arg_values(args)
     algo = flag_values.get("algo") or file_values.get("algo")
@@ -242,7 +243,8 @@ def _new_sweep(args) -> dict:
     except OSError as e:
         raise UserError(f"--storage-path={storage!r}: cannot write there ({e.strerror or e}); give a writable "
                         f"directory (or --out-dir)") from None
-    uri, experiment_id = tracking_store(base_cfg)
+    uri = resolve_tracking_uri(base_cfg.tracking_uri)
+    experiment_id = open_experiment(uri, base_cfg.experiment)
     reuse = plan.algo in STAGE1_FREE and "stage1_cache" in plan.knobs and not args.no_stage1_reuse
     stage1_root = None
     if reuse:
