@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -66,21 +67,51 @@ def test_algos_lists_knobs(capsys):
 
 
 def test_run_end_to_end(tmp_path):
-    """The real command on a private Ray: progress lines, the summary table, the MLflow run."""
+    """The real command on a private Ray: progress lines, the summary table, the MLflow run; every port the
+    private instance opens is on the loopback address; the run directory records what --resume needs."""
+    import psutil
+    import yaml
+
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}  # the user's setting; the private instance uses a token
     env.pop("RAY_ADDRESS", None)
-    out = subprocess.run([*RAYFL, "run", "--dataset", "synthetic", "--partition", "iid", "--clients", "2",
-                          "--rounds", "2", "--samples-per-client", "60", "--tracking-uri", uri,
-                          "--out-dir", str(tmp_path / "runs"), "--run-name", "e2e"],
-                         capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "round   1/2 [train]" in out.stdout and "round   2/2 [train]" in out.stdout
-    assert "test_acc" in out.stdout and "bottom10%" in out.stdout and "mlflow ui" in out.stdout
-    assert (tmp_path / "runs" / "e2e" / "config.yaml").exists()
+    proc = subprocess.Popen([*RAYFL, "run", "--dataset", "synthetic", "--partition", "iid", "--clients", "2",
+                             "--rounds", "2", "--samples-per-client", "60", "--tracking-uri", uri,
+                             "--out-dir", str(tmp_path / "runs"), "--run-name", "e2e", "--checkpoint-every", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=env)
+    listening = set()
+    while proc.poll() is None:
+        try:
+            pids = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)} | {proc.pid}
+        except psutil.NoSuchProcess:
+            break
+        listening |= {(c.laddr.ip, c.laddr.port) for c in psutil.net_connections("tcp")
+                      if c.status == psutil.CONN_LISTEN and c.pid in pids}
+        time.sleep(0.2)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-2000:]
+    assert listening, "the private Ray instance was never seen listening"
+    assert all(ip in ("127.0.0.1", "::ffff:127.0.0.1", "::1") for ip, _ in listening), listening
+    assert "round   1/2 [train]" in stdout and "round   2/2 [train]" in stdout
+    assert "test_acc" in stdout and "bottom10%" in stdout and "mlflow ui" in stdout
+    saved = yaml.safe_load((tmp_path / "runs" / "e2e" / "config.yaml").read_text())
+    assert saved["tracking_uri"] == uri and saved["out_dir"] == str(tmp_path / "runs")
     import mlflow
 
     mlflow.set_tracking_uri(uri)
+    runs = mlflow.search_runs(experiment_names=["rayfl"])
+    assert list(runs["tags.mlflow.runName"]) == ["e2e"] and list(runs["status"]) == ["FINISHED"]
+
+    # --resume from another working directory, with another MLFLOW_TRACKING_URI in the environment: the run
+    # goes on in the store it was started with, not in a new ./mlflow.db.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    out = subprocess.run([*RAYFL, "run", "--resume", str(tmp_path / "runs" / "e2e"), "--quiet"],
+                         capture_output=True, text=True, cwd=elsewhere, timeout=300,
+                         env={**env, "MLFLOW_TRACKING_URI": f"sqlite:///{elsewhere}/other.db"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert list(elsewhere.iterdir()) == []
+    assert f"at {uri}" in out.stdout
     runs = mlflow.search_runs(experiment_names=["rayfl"])
     assert list(runs["tags.mlflow.runName"]) == ["e2e"] and list(runs["status"]) == ["FINISHED"]
 
