@@ -189,23 +189,32 @@ def _is_params(value: Any) -> bool:
 
 
 def read_yaml(path: str) -> dict:
-    """A YAML mapping from a file (safe loader: no tags that build objects, so loading runs no code)."""
-    if not os.path.isfile(path):
-        raise UserError(f"config file {path!r}: no such file")
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except yaml.YAMLError as e:
-        raise UserError(f"config file {path!r}: not valid YAML ({str(e).splitlines()[0]})") from None
-    except UnicodeDecodeError:
-        raise UserError(f"config file {path!r}: not UTF-8 text") from None
-    except OSError as e:
-        raise UserError(f"config file {path!r}: cannot be read ({e.strerror})") from None
+    """A config file: a YAML mapping of config keys (an empty file is no keys)."""
+    data = load_yaml(path, "config file")
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise UserError(f"config file {path!r}: must hold a mapping of config keys, not a {type(data).__name__}")
     return data
+
+
+def load_yaml(path: str, what: str) -> Any:
+    """A YAML file's content, or one line naming the file (``what``: "config file", "space file"). The safe
+    loader builds no objects from tags, so loading a file never runs code."""
+    if not os.path.isfile(path):
+        raise UserError(f"{what} {path!r}: no such file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark is not None else ""
+        problem = str(getattr(e, "problem", None) or e).splitlines()[0]
+        raise UserError(f"{what} {path!r}: not valid YAML{at} ({problem})") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{what} {path!r}: not UTF-8 text") from None
+    except OSError as e:
+        raise UserError(f"{what} {path!r}: cannot be read ({e.strerror or e})") from None
 
 
 def check_tracking_uri(uri: str) -> None:

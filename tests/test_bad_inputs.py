@@ -232,7 +232,7 @@ CASES = [
     ("yaml_params_list", from_file("params_list.yaml"), "params=[1, 2] in {t}/params_list.yaml: must be a mapping"),
     ("yaml_params_null", from_file("params_null.yaml"), "params=None in {t}/params_null.yaml: must be a mapping"),
     ("yaml_params_int_key", from_file("params_int_key.yaml"), "params={1: 2} in {t}/params_int_key.yaml"),
-    ("yaml_python_tag", from_file("python_tag.yaml"), "not valid YAML (could not determine a constructor"),
+    ("yaml_python_tag", from_file("python_tag.yaml"), "not valid YAML at line 1 (could not determine a constructor"),
     ("yaml_knob_nan", from_file("knob_nan.yaml"), "epsilon_decay=nan for algorithm 'fedfomo': must be a finite"),
     ("config_is_directory", run("--config", "{t}"), "config file '{t}': no such file"),
     # --- data roots: IDX files checked on load

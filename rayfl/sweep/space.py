@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from rayfl.config import FIELDS, UserError, make_config
+from rayfl.config import FIELDS, UserError, load_yaml, make_config
 
 SECTIONS = ("fixed", "grid", "random")
 # name -> number of arguments (None: a list of values)
@@ -76,19 +76,7 @@ def find_space_file(algo: str) -> str:
 
 def load_space(path: str) -> Space:
     """Read and check the shape of a space file; values are checked by :func:`validate_space`."""
-    if not os.path.isfile(path):
-        raise UserError(f"space file {path!r}: no such file")
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except yaml.YAMLError as e:
-        where = getattr(e, "problem_mark", None)
-        at = f" at line {where.line + 1}" if where is not None else ""
-        raise UserError(f"{path}: not valid YAML{at} ({str(getattr(e, 'problem', None) or e).splitlines()[0]})") from None
-    except UnicodeDecodeError:
-        raise UserError(f"space file {path!r}: not UTF-8 text") from None
-    except OSError as e:
-        raise UserError(f"space file {path!r}: cannot be read ({e.strerror or e})") from None
+    data = load_yaml(path, "space file")
     if data is None:
         data = {}
     if not isinstance(data, dict):
