@@ -369,3 +369,32 @@ def test_ray_env_is_untouched_by_refused_commands(files, capsys):
     assert main(run("--address", "127.0.0.1:1")) == 2
     assert main(run("--lr", "nan")) == 2
     assert {k: os.environ.get(k) for k in keys} == before
+
+
+def test_ray_start_failure_is_one_line_exit_1(files, capsys, monkeypatch):
+    """Not the user's mistake, still no traceback: Ray failing to start is one line and exit status 1, and
+    the environment is as it was."""
+    import ray
+
+    from rayfl.tracking import ensure_experiment
+
+    uri = f"sqlite:///{files}/m.db"
+    ensure_experiment(uri, "rayfl")  # MLflow's first-use messages are not what this test reads
+    capsys.readouterr()
+    keys = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+    before = {k: os.environ.get(k) for k in keys}
+    seen = {}
+
+    def failing_init(**kwargs):
+        seen.update(kwargs, auth=os.environ.get("RAY_AUTH_MODE"), token=os.environ.get("RAY_AUTH_TOKEN"))
+        raise RuntimeError("Failed to start GCS.\nLast 10 lines of error files: ...")
+
+    monkeypatch.setattr(ray, "init", failing_init)
+    assert main(run("--tracking-uri", uri, "--out-dir", f"{files}/runs")) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith("rayfl: error: a local Ray instance did not start (RuntimeError: Failed to start GCS.)")
+    # what the private instance was asked for: loopback only, no dashboard, a fresh token
+    assert seen["address"] == "local" and seen["_node_ip_address"] == "127.0.0.1" and not seen["include_dashboard"]
+    assert seen["auth"] == "token" and len(seen["token"]) == 64
+    assert {k: os.environ.get(k) for k in keys} == before
