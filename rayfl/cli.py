@@ -116,8 +116,15 @@ def _parse_scalar(text: str):
         return text
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line (``rayfl: error: ...``, exit 2) like every other mistake."""
+
+    def error(self, message: str):
+        raise UserError(message[len("argument "):] if message.startswith("argument ") else message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="rayfl", description="Personalized federated learning experiments on Ray, tracked in MLflow.",
         epilog="Examples:\n  rayfl run                                  # the embedded default (digits, ~1 min)\n"
                "  rayfl run --algo fedfomo -p M=5 -p epsilon=0.3\n"
@@ -141,15 +148,136 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class RayStartError(Exception):
+    """Ray could not be started or reached for a reason that is not the user's: one line, exit 1."""
+
+
+CONNECT_TIMEOUT_S = 5.0
+_SAVED_ENV: dict[str, str | None] = {}
+
+
 def init_ray(address: str | None) -> None:
-    """Connect to the given cluster, or start a private local instance (never someone else's)."""
+    """Connect to the given cluster, or start a private local instance (never someone else's).
+
+    The private instance binds the loopback address only and requires a fresh random token, so no other
+    machine, and no process without that token, can attach to it and run code. A given address is probed
+    first (an unreachable one is one line within seconds, not Ray's endless retries)."""
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    private = address in (None, "local")
+    if private:
+        import secrets
+
+        # Read by Ray when it is imported (and again after Config.initialize): loopback-only node IP
+        # (Ray treats the node as a single-machine instance) and token authentication with our own token.
+        _set_env(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32),
+                 RAY_AUTH_TOKEN_PATH=None)
+    else:
+        check_address(address)
+        _set_env(RAY_gcs_server_port_wait_time_s=os.environ.get("RAY_gcs_server_port_wait_time_s", "1"))
+    _reload_ray_env()
     import ray
 
-    address = address or os.environ.get("RAY_ADDRESS")
-    if not address:
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private local instance needs no token
-    ray.init(address=address or "local", include_dashboard=False if not address else None,
-             logging_level="ERROR", configure_logging=True, log_to_driver=True)
+    kwargs = dict(address="local", include_dashboard=False, _node_ip_address="127.0.0.1") if private else \
+        dict(address=address)
+    try:
+        with _stderr_kept_aside() as kept:
+            ray.init(logging_level="ERROR", configure_logging=True, log_to_driver=True, **kwargs)
+    except Exception as e:  # noqa: BLE001 - whatever Ray raises, the user gets one line
+        _restore_env()
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if private:
+            raise RayStartError(f"a local Ray instance did not start ({type(e).__name__}: {detail}); "
+                                f"Ray's own messages: {kept.name}") from None
+        raise UserError(f"address={address!r}: could not connect to a Ray cluster there ({detail}; Ray's own "
+                        f"messages: {kept.name})") from None
+
+
+def shutdown_ray() -> None:
+    """Ray down, and the environment as it was before :func:`init_ray` (tests run many commands in one process)."""
+    import ray
+
+    ray.shutdown()
+    _restore_env()
+
+
+def _set_env(**values: str | None) -> None:
+    for key, value in values.items():
+        _SAVED_ENV.setdefault(key, os.environ.get(key))
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def _restore_env() -> None:
+    for key, value in _SAVED_ENV.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    _SAVED_ENV.clear()
+    _reload_ray_env()
+
+
+def _reload_ray_env() -> None:
+    """Ray reads RAY_AUTH_* and the single-machine switch when it is imported; an already imported Ray is
+    told again (as Ray's own tests do between instances)."""
+    if "ray" not in sys.modules:
+        return
+    from ray._private import ray_constants
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    ray_constants.ENABLE_RAY_CLUSTER = os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "1").lower() not in (
+        "0", "false")
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
+def check_address(address: str | None) -> None:
+    """A Ray address must be HOST:PORT, ray://HOST:PORT or auto, and something must listen there (checked
+    before the data is loaded, and again when Ray starts)."""
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address in (None, "local", "auto"):
+        return
+    target = address[len("ray://"):] if address.startswith("ray://") else address
+    host, sep, port = target.rpartition(":")
+    if not sep or not host or "/" in target or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UserError(f"address={address!r}: expected HOST:PORT, ray://HOST:PORT or auto")
+    import socket
+
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as e:
+        reason = e.strerror or str(e) or type(e).__name__
+        raise UserError(f"address={address!r}: no Ray cluster answers there ({reason})") from None
+
+
+class _stderr_kept_aside:
+    """File descriptor 2 into a temporary file while Ray starts: Ray's C++ retries print many lines. On
+    success they are passed on unchanged; on failure the caller prints one line naming the file."""
+
+    def __enter__(self):
+        import tempfile
+
+        sys.stderr.flush()
+        self.file = tempfile.NamedTemporaryFile(prefix="rayfl-ray-start-", suffix=".log", delete=False)
+        self.name = self.file.name
+        self.saved = os.dup(2)
+        os.dup2(self.file.fileno(), 2)
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        sys.stderr.flush()
+        os.dup2(self.saved, 2)
+        os.close(self.saved)
+        self.file.close()
+        if kind is None:
+            with open(self.name, "rb") as f:
+                text = f.read()
+            os.unlink(self.name)
+            if text:
+                os.write(2, text)
+        return False
 
 
 def cmd_algos() -> int:
@@ -189,52 +317,103 @@ def summary_table(final: dict) -> str:
     return "\n".join([head, *rows])
 
 
-def cmd_run(args) -> int:
-    from rayfl.config import read_yaml
+def config_flags_given(args: argparse.Namespace) -> list[str]:
+    """The config flags typed on the command line (a --resume takes none: the saved config is the run's)."""
+    given = [f"--{k.replace('_', '-')}" for k in vars(args) if k in FIELDS and k != "params"]
+    return given + (["--param"] if args.param else []) + (["--config"] if args.config else [])
 
-    if args.resume:
-        saved = os.path.join(args.resume, "config.yaml")
-        if not os.path.isfile(saved):
-            raise UserError(f"--resume {args.resume!r}: no config.yaml there (not a rayfl run directory)")
+
+def load_run_dir(run_dir: str):
+    """The Config saved in a run directory, for --resume: it must be a rayfl run directory with a checkpoint."""
+    from rayfl.config import read_yaml
+    from rayfl.loop import Loop
+
+    saved = os.path.join(run_dir, "config.yaml")
+    if not os.path.isfile(saved):
+        raise UserError(f"--resume {run_dir!r}: no config.yaml there (not a rayfl run directory)")
+    try:
         cfg = make_config(None, read_yaml(saved))
-        run_dir = args.resume
+    except UserError as e:
+        raise UserError(f"--resume {run_dir!r}: its config.yaml: {e}") from None
+    if not Loop.has_checkpoint(run_dir):
+        raise UserError(f"--resume {run_dir!r}: no checkpoint there to go on from (the run saved none: "
+                        f"--checkpoint-every N); start it again without --resume")
+    return cfg
+
+
+def make_run_dir(cfg, run_name: str, uri: str) -> str:
+    """<out_dir>/<run_name> with the resolved config in config.yaml: absolute paths and the tracking URI
+    actually used, so ``--resume`` works from any working directory."""
+    import yaml
+
+    run_dir = os.path.abspath(os.path.join(os.path.expanduser(cfg.out_dir), run_name))
+    record = {**dataclasses.asdict(cfg), "run_name": run_name, "tracking_uri": uri,
+              "out_dir": os.path.abspath(os.path.expanduser(cfg.out_dir))}
+    if cfg.data_root is not None:
+        record["data_root"] = os.path.abspath(os.path.expanduser(cfg.data_root))
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+            yaml.safe_dump(record, f, sort_keys=False)
+    except OSError as e:
+        raise UserError(f"out_dir={cfg.out_dir!r}: cannot write the run directory {run_dir} "
+                        f"({e.strerror or e})") from None
+    return run_dir
+
+
+def open_experiment(uri: str, experiment: str) -> str:
+    """The experiment's id in the tracking store; a store that cannot be opened is one line."""
+    from rayfl.tracking import ensure_experiment
+
+    try:
+        return ensure_experiment(uri, experiment)
+    except Exception as e:  # noqa: BLE001 - MLflow's errors for a bad store vary (sqlite, http, paths)
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"tracking_uri={uri!r}: cannot open experiment {experiment!r} there "
+                        f"({type(e).__name__}: {detail[:200]})") from None
+
+
+def cmd_run(args) -> int:
+    from rayfl.tracking import resolve_tracking_uri
+
+    check_address(args.address)
+    if args.resume:
+        extra = config_flags_given(args)
+        if extra:
+            raise UserError(f"--resume {args.resume!r} with {extra[0]}: a resumed run keeps its saved config; "
+                            f"give only --resume DIR (and --address, --quiet)")
+        cfg = load_run_dir(args.resume)
+        run_dir = os.path.abspath(args.resume)
     else:
         cfg = config_from_args(args)
     from rayfl.experiment import prepare
-    from rayfl.tracking import ensure_experiment, resolve_tracking_uri
 
     prepared = prepare(cfg)  # every user mistake surfaces here, before Ray starts
     uri = resolve_tracking_uri(cfg.tracking_uri)
-    exp_id = ensure_experiment(uri, cfg.experiment)
     run_name = cfg.run_name or f"{cfg.algo}-{cfg.dataset}-{cfg.partition}-s{cfg.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
     if not args.resume:
-        run_dir = os.path.abspath(os.path.join(cfg.out_dir, run_name))
-        os.makedirs(run_dir, exist_ok=True)
-        import yaml
-
-        with open(os.path.join(run_dir, "config.yaml"), "w") as f:
-            yaml.safe_dump({**dataclasses.asdict(cfg), "run_name": run_name}, f, sort_keys=False)
+        run_dir = make_run_dir(cfg, run_name, uri)
+    exp_id = open_experiment(uri, cfg.experiment)
     print(f"rayfl: {cfg.algo} on {cfg.dataset} ({cfg.partition}), {cfg.clients} clients, "
           f"{prepared.info.n_params} parameters ({prepared.model_spec.name}); run directory {run_dir}", flush=True)
 
     init_ray(args.address)
-    from rayfl.actors.launch import launch
-
-    show = None if args.quiet else (lambda rec: print(format_round(rec), flush=True))
-    tracking = {"tracking_uri": uri, "experiment_id": exp_id, "run_name": run_name}
     try:
-        result = launch(prepared, tracking, checkpoint_dir=run_dir, on_round=show,
-                        cluster_may_grow=bool(args.address or os.environ.get("RAY_ADDRESS")))
-    except UserError:
-        raise
-    except Exception as e:  # the run failed inside Ray: say what, and where its remains are
-        print(f"rayfl: run failed: {_root_cause(e)}", file=sys.stderr)
-        print(f"rayfl: what was logged is kept in MLflow ({uri}); checkpoints in {run_dir}", file=sys.stderr)
-        return 1
-    finally:
-        import ray
+        from rayfl.actors.launch import launch
 
-        ray.shutdown()
+        show = None if args.quiet else (lambda rec: print(format_round(rec), flush=True))
+        tracking = {"tracking_uri": uri, "experiment_id": exp_id, "run_name": run_name}
+        try:
+            result = launch(prepared, tracking, checkpoint_dir=run_dir, on_round=show,
+                            cluster_may_grow=bool(args.address or os.environ.get("RAY_ADDRESS")))
+        except UserError:
+            raise
+        except Exception as e:  # the run failed inside Ray: say what, and where its remains are
+            print(f"rayfl: run failed: {_root_cause(e)}", file=sys.stderr)
+            print(f"rayfl: what was logged is kept in MLflow ({uri}); checkpoints in {run_dir}", file=sys.stderr)
+            return 1
+    finally:
+        shutdown_ray()
     print("\nfinal round, across clients:")
     print(summary_table(result["final"]))
     print(f"\nMLflow run {result['run_id']} in experiment {cfg.experiment!r} at {uri}")
@@ -250,8 +429,8 @@ def _root_cause(e: BaseException) -> str:
 
 def main(argv=None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
     try:
+        args = parser.parse_args(argv)
         if args.command is None:
             parser.print_help()
             return 0
@@ -263,6 +442,9 @@ def main(argv=None) -> int:
     except UserError as e:
         print(f"rayfl: error: {e}", file=sys.stderr)
         return 2
+    except RayStartError as e:
+        print(f"rayfl: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("rayfl: interrupted", file=sys.stderr)
         return 130

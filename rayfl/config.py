@@ -7,6 +7,7 @@ knobs live in ``params`` and are checked by the algorithm's own ``Params`` datac
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -22,6 +23,7 @@ PARTITIONS = ("iid", "pathological", "dirichlet", "latent", "majority", "label-g
               "permutation")
 SIZE_DISTRIBUTIONS = ("equal", "lognormal")
 OPTIMIZERS = ("sgd", "adam")
+MAX_SEED = 2**32 - 1  # numpy's legacy RandomState (Tune's grid/random search) takes seeds below 2**32
 
 
 @dataclass
@@ -77,6 +79,8 @@ class Config:
         from rayfl.data import DATASETS
         from rayfl.models import MODELS
 
+        for name, value in dataclasses.asdict(self).items():  # a Config built in code skips _convert
+            _convert(name, value)
         _one_of("algo", self.algo, algorithm_names())
         _one_of("dataset", self.dataset, DATASETS)
         _one_of("partition", self.partition, PARTITIONS)
@@ -102,12 +106,26 @@ class Config:
         for name in ("lr", "alpha", "size_sigma"):
             if not getattr(self, name) > 0:
                 raise UserError(f"{name}={getattr(self, name)}: must be > 0")
-        if self.momentum < 0 or self.weight_decay < 0 or self.cpus_per_actor < 0:
-            raise UserError("momentum, weight_decay and cpus_per_actor must be >= 0")
+        for name in ("momentum", "weight_decay", "cpus_per_actor"):
+            if not getattr(self, name) >= 0:
+                raise UserError(f"{name}={getattr(self, name)}: must be >= 0")
         if self.gpus_per_actor < 0 and self.gpus_per_actor != -1:
             raise UserError(f"gpus_per_actor={self.gpus_per_actor}: must be >= 0, or -1 for automatic")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise UserError(f"seed={self.seed}: must be an integer in [0, {MAX_SEED}]")
         if self.data_root is not None and not os.path.isdir(os.path.expanduser(self.data_root)):
             raise UserError(f"data_root={self.data_root!r}: no such directory")
+        if not self.experiment.strip():
+            raise UserError(f"experiment={self.experiment!r}: must be a non-empty name")
+        if self.run_name is not None and (not self.run_name.strip() or "/" in self.run_name
+                                          or self.run_name in (".", "..")):
+            raise UserError(f"run_name={self.run_name!r}: must be a non-empty name without '/'")
+        if not self.out_dir.strip():
+            raise UserError(f"out_dir={self.out_dir!r}: must be a directory path")
+        if os.path.exists(os.path.expanduser(self.out_dir)) and not os.path.isdir(os.path.expanduser(self.out_dir)):
+            raise UserError(f"out_dir={self.out_dir!r}: exists and is not a directory")
+        if self.tracking_uri is not None:
+            check_tracking_uri(self.tracking_uri)
         try:
             params = get_algorithm(self.algo).make_params(self.params)
             params.check(self.clients)
@@ -145,34 +163,71 @@ FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 def make_config(file: str | None = None, overrides: Mapping[str, Any] | None = None) -> Config:
     """Defaults, then a YAML file, then explicit overrides (flags); unknown keys are user errors."""
     values: dict[str, Any] = {}
+    where = f" in {file}" if file else ""
     if file:
         values.update(read_yaml(file))
+    if values.get("params", {}) is not None and not _is_params(values.get("params", {})):
+        raise UserError(f"params={values['params']!r}{where}: must be a mapping of algorithm knobs (name: value)")
     for k, v in (overrides or {}).items():
         if k == "params":
-            values["params"] = {**values.get("params", {}), **v}
+            if not _is_params(v):
+                raise UserError(f"params={v!r}: must be a mapping of algorithm knobs (name: value)")
+            values["params"] = {**(values.get("params") or {}), **v}
         else:
             values[k] = v
-    unknown = sorted(set(values) - set(FIELDS))
+    unknown = sorted(str(k) for k in set(values) - set(FIELDS))
     if unknown:
-        where = f" in {file}" if file else ""
         raise UserError(f"unknown config key {unknown[0]!r}{where}; allowed: {', '.join(FIELDS)}")
-    if not isinstance(values.get("params", {}), dict):
-        raise UserError(f"params in {file}: must be a mapping of algorithm knobs")
+    if values.get("params", {}) is None:
+        raise UserError(f"params=None{where}: must be a mapping of algorithm knobs (name: value)")
     cfg = Config(**{k: _convert(k, v) for k, v in values.items()})
     return cfg
 
 
+def _is_params(value: Any) -> bool:
+    return isinstance(value, dict) and all(isinstance(k, str) for k in value)
+
+
 def read_yaml(path: str) -> dict:
-    if not os.path.isfile(path):
-        raise UserError(f"config file {path!r}: no such file")
-    try:
-        with open(path) as f:
-            data = yaml.safe_load(f) or {}
-    except yaml.YAMLError as e:
-        raise UserError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    """A config file: a YAML mapping of config keys (an empty file is no keys)."""
+    data = load_yaml(path, "config file")
+    if data is None:
+        return {}
     if not isinstance(data, dict):
-        raise UserError(f"{path}: must hold a mapping of config keys")
+        raise UserError(f"config file {path!r}: must hold a mapping of config keys, not a {type(data).__name__}")
     return data
+
+
+def load_yaml(path: str, what: str) -> Any:
+    """A YAML file's content, or one line naming the file (``what``: "config file", "space file"). The safe
+    loader builds no objects from tags, so loading a file never runs code."""
+    if not os.path.isfile(path):
+        raise UserError(f"{what} {path!r}: no such file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark is not None else ""
+        problem = str(getattr(e, "problem", None) or e).splitlines()[0]
+        raise UserError(f"{what} {path!r}: not valid YAML{at} ({problem})") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{what} {path!r}: not UTF-8 text") from None
+    except OSError as e:
+        raise UserError(f"{what} {path!r}: cannot be read ({e.strerror or e})") from None
+
+
+def check_tracking_uri(uri: str) -> None:
+    """An MLflow tracking URI whose scheme MLflow has a store for (a path, file:, sqlite:, http(s):, ...)."""
+    try:
+        from mlflow.tracking._tracking_service.utils import _tracking_store_registry
+    except ImportError:  # the registry moved: leave the check to MLflow itself
+        return
+    try:
+        _tracking_store_registry.get_store_builder(uri)
+    except Exception:  # noqa: BLE001 - MLflow's own "unsupported URI" exceptions vary by version
+        schemes = ", ".join(sorted(s or "a path" for s in _tracking_store_registry._registry))
+        raise UserError(f"tracking_uri={uri!r}: unknown scheme; allowed: {schemes}") from None
 
 
 def _convert(name: str, value: Any) -> Any:
@@ -185,20 +240,56 @@ def _convert(name: str, value: Any) -> Any:
         if isinstance(value, bool) or not text.isdigit():
             raise UserError(f"clients_per_actor={value!r}: must be auto or an integer >= 1")
         return int(text)
-    if name == "params" or value is None or default is None or default is dataclasses.MISSING:
+    if name == "params":
         return value
-    kind = type(default)
-    if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
+    if default is None:  # optional paths and names: a string, or not given
+        if value is None or isinstance(value, str):
+            return value
+        raise UserError(f"{name}={value!r}: must be a string")
+    if value is None:
+        raise UserError(f"{name}=null: must be {KIND_TEXT[type(default)]} (leave the key out for the default)")
+    try:
+        return to_kind(value, type(default))
+    except ValueError as e:
+        raise UserError(f"{name}={value!r}: {e}") from None
+
+
+KIND_TEXT = {int: "an integer", float: "a finite number", bool: "true or false", str: "a string"}
+
+
+def to_kind(value: Any, kind: type) -> Any:
+    """``value`` as a bool, int, float or str, or ValueError saying what is allowed.
+
+    No silent coercion: null, a boolean where a number belongs, 2.5 for an integer, NaN or infinity,
+    and a list where a scalar belongs are refused; '3' and 3.0 are an integer, 'yes' and 'off' booleans."""
+    expected = f"must be {KIND_TEXT.get(kind, kind.__name__)}"
+    if value is None or isinstance(value, (list, tuple, dict, set)):
+        raise ValueError(expected)
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        text = str(value).lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(expected)
+    if isinstance(value, bool):
+        raise ValueError(expected + ", not a boolean")
+    if kind is str:
+        return value if isinstance(value, str) else str(value)
+    if kind not in (int, float):
         return value
     try:
-        if kind is bool:
-            if str(value).lower() in ("1", "true", "yes", "on"):
-                return True
-            if str(value).lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError
-        if kind is int and float(value) != int(float(value)):
-            raise ValueError
-        return kind(float(value)) if kind is int else kind(value)
-    except (TypeError, ValueError):
-        raise UserError(f"{name}={value!r}: expected {kind.__name__}") from None
+        number = value if isinstance(value, int) else float(value)
+        if kind is float:
+            number = float(number)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(expected) from None
+    if isinstance(number, float) and not math.isfinite(number):
+        raise ValueError("must be a finite number")
+    if kind is int:
+        if isinstance(number, float) and not number.is_integer():
+            raise ValueError(expected)
+        return int(number)
+    return number

@@ -130,8 +130,16 @@ class Loop:
         return self.history[-1] if self.history else {}
 
     # --- checkpoints ----------------------------------------------------------------------------
+    CHECKPOINT_FILE = "checkpoint.pkl"
+
     def checkpoint_path(self) -> str:
-        return os.path.join(self.checkpoint_dir, "checkpoint.pkl")
+        return os.path.join(self.checkpoint_dir, self.CHECKPOINT_FILE)
+
+    @classmethod
+    def has_checkpoint(cls, directory: str) -> bool:
+        """Whether ``directory`` holds a checkpoint this loop can go on from (``rayfl run --resume`` asks
+        before anything starts)."""
+        return os.path.isfile(os.path.join(directory, cls.CHECKPOINT_FILE))
 
     def save_checkpoint(self, step: int) -> None:
         """Everything needed to go on after the round ``step``: server, clients, RNGs and history."""

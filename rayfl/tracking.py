@@ -39,6 +39,8 @@ def resolve_tracking_uri(uri: str | None) -> str:
     uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
     if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
         uri = "sqlite:///" + os.path.abspath(uri[len("sqlite:///"):])
+    elif ":" not in uri and uri not in ("databricks", "databricks-uc", "uc"):  # a plain path: a file store
+        uri = os.path.abspath(os.path.expanduser(uri))
     return uri
 
 

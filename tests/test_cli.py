@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -21,7 +22,7 @@ RAYFL = [sys.executable, "-m", "rayfl.cli"]
     (["run", "--model", "resnet"], "model='resnet': unknown"),
     (["run", "--clients", "0"], "clients=0: must be an integer >= 1"),
     (["run", "--rounds", "0"], "rounds=0: must be an integer >= 1"),
-    (["run", "--rounds", "two"], "rounds='two': expected int"),
+    (["run", "--rounds", "two"], "rounds='two': must be an integer"),
     (["run", "--participation", "1.5"], "participation=1.5: must be in (0, 1]"),
     (["run", "--participation", "0"], "participation=0.0: must be in (0, 1]"),
     (["run", "--val-frac", "-0.1"], "val_frac=-0.1: must be in [0, 1)"),
@@ -66,20 +67,85 @@ def test_algos_lists_knobs(capsys):
 
 
 def test_run_end_to_end(tmp_path):
-    """The real command on a private Ray: progress lines, the summary table, the MLflow run."""
+    """The real command on a private Ray: progress lines, the summary table, the MLflow run; every port the
+    private instance opens is on the loopback address; the run directory records what --resume needs."""
+    import psutil
+    import yaml
+
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}  # the user's setting; the private instance uses a token
     env.pop("RAY_ADDRESS", None)
-    out = subprocess.run([*RAYFL, "run", "--dataset", "synthetic", "--partition", "iid", "--clients", "2",
-                          "--rounds", "2", "--samples-per-client", "60", "--tracking-uri", uri,
-                          "--out-dir", str(tmp_path / "runs"), "--run-name", "e2e"],
-                         capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "round   1/2 [train]" in out.stdout and "round   2/2 [train]" in out.stdout
-    assert "test_acc" in out.stdout and "bottom10%" in out.stdout and "mlflow ui" in out.stdout
-    assert (tmp_path / "runs" / "e2e" / "config.yaml").exists()
+    proc = subprocess.Popen([*RAYFL, "run", "--dataset", "synthetic", "--partition", "iid", "--clients", "2",
+                             "--rounds", "2", "--samples-per-client", "60", "--tracking-uri", uri,
+                             "--out-dir", str(tmp_path / "runs"), "--run-name", "e2e", "--checkpoint-every", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=env)
+    listening = set()
+    while proc.poll() is None:
+        try:
+            pids = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)} | {proc.pid}
+        except psutil.NoSuchProcess:
+            break
+        listening |= {(c.laddr.ip, c.laddr.port) for c in psutil.net_connections("tcp")
+                      if c.status == psutil.CONN_LISTEN and c.pid in pids}
+        time.sleep(0.2)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-2000:]
+    assert listening, "the private Ray instance was never seen listening"
+    assert all(ip in ("127.0.0.1", "::ffff:127.0.0.1", "::1") for ip, _ in listening), listening
+    assert "round   1/2 [train]" in stdout and "round   2/2 [train]" in stdout
+    assert "test_acc" in stdout and "bottom10%" in stdout and "mlflow ui" in stdout
+    saved = yaml.safe_load((tmp_path / "runs" / "e2e" / "config.yaml").read_text())
+    assert saved["tracking_uri"] == uri and saved["out_dir"] == str(tmp_path / "runs")
     import mlflow
 
     mlflow.set_tracking_uri(uri)
     runs = mlflow.search_runs(experiment_names=["rayfl"])
     assert list(runs["tags.mlflow.runName"]) == ["e2e"] and list(runs["status"]) == ["FINISHED"]
+
+    # --resume from another working directory, with another MLFLOW_TRACKING_URI in the environment: the run
+    # goes on in the store it was started with, not in a new ./mlflow.db.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    out = subprocess.run([*RAYFL, "run", "--resume", str(tmp_path / "runs" / "e2e"), "--quiet"],
+                         capture_output=True, text=True, cwd=elsewhere, timeout=300,
+                         env={**env, "MLFLOW_TRACKING_URI": f"sqlite:///{elsewhere}/other.db"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert list(elsewhere.iterdir()) == []
+    assert f"at {uri}" in out.stdout
+    runs = mlflow.search_runs(experiment_names=["rayfl"])
+    assert list(runs["tags.mlflow.runName"]) == ["e2e"] and list(runs["status"]) == ["FINISHED"]
+
+
+def test_tune_resume_keeps_a_failed_trials_id_so_it_finds_its_checkpoint(tmp_path, ray_session):
+    """`rayfl tune --resume` restores errored trials the way cmd_tune does; a trial keeps its id, hence its
+    checkpoint directory (sweep_dir/trials/<id>, see rayfl/sweep/trial.py), and goes on from there. With
+    Tune's restart_errored it would get a new id and start from round 1 (the bug this guards)."""
+    import inspect
+
+    from ray import tune
+
+    from rayfl.sweep import command
+
+    source = inspect.getsource(command._run)
+    assert "resume_errored=True" in source and "restart_errored=True" not in source
+
+    def trainable(config):
+        ckpt = tmp_path / "trials" / tune.get_context().get_trial_id()
+        start = int((ckpt / "round").read_text()) if (ckpt / "round").exists() else 0
+        for rnd in range(start, 4):
+            ckpt.mkdir(parents=True, exist_ok=True)
+            (ckpt / "round").write_text(str(rnd + 1))  # "checkpoint after round rnd"
+            if rnd == 1 and not (tmp_path / "failed_once").exists():
+                (tmp_path / "failed_once").write_text("")
+                raise RuntimeError("injected failure after round 2")
+            tune.report({"round": rnd + 1, "started_at": start})
+
+    storage = str(tmp_path / "tune")
+    tuner = tune.Tuner(trainable, run_config=tune.RunConfig(name="s", storage_path=storage, verbose=0))
+    first = tuner.fit()
+    assert first[0].error is not None
+    restored = tune.Tuner.restore(f"{storage}/s", trainable, resume_unfinished=True, resume_errored=True)
+    second = restored.fit()
+    assert second[0].error is None
+    assert second[0].metrics["round"] == 4 and second[0].metrics["started_at"] == 2  # went on, not round 1
+    assert len(list((tmp_path / "trials").iterdir())) == 1  # one trial id throughout

@@ -246,12 +246,16 @@ def test_mlflow_server_on_the_head(name):
     assert "--disable-security-middleware" not in opts
     assert opts.get("--allowed-hosts") not in ("*",) and opts.get("--cors-allowed-origins") not in ("*",)
     host = opts.get("--host", "127.0.0.1")
+    # MLflow has no authentication here: never all interfaces, only the head's private address.
+    assert host not in ("0.0.0.0", "::", "*", "[::]")
     if cfg["provider"]["type"] == "local":
-        # Machines of ours may carry public interfaces: bind the private address only.
         assert host == cfg["provider"]["head_ip"]
     else:
-        # On EC2 the NIC carries only the private address; the security group is the gate (above).
-        assert host in ("0.0.0.0", "127.0.0.1")
+        # The head's private address, found the same way as the MLFLOW_TRACKING_URI the nodes log to.
+        assert host == "$HEAD_IP"
+        assert re.search(r"HEAD_IP=\$\(hostname -I \| awk '\{print \$1\}'\)", cmd)
+        [(start_cmd, _)] = ray_starts(cfg, "head_start_ray_commands")
+        assert "MLFLOW_TRACKING_URI=http://$(hostname -I | awk '{print $1}'):5000" in start_cmd
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -273,3 +277,56 @@ def test_jobs_log_to_the_head_mlflow_server(name):
     assert uri.search(worker_cmd).group(1) == "$RAY_HEAD_IP"
     if cfg["provider"]["type"] == "local":
         assert head_host == cfg["provider"]["head_ip"]
+
+
+# --- NFS ----------------------------------------------------------------------------------------------
+
+BROAD = ("*", "0.0.0.0", "::/0", "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16")
+
+
+def nfs_export_problems(cfg: dict) -> list[str]:
+    """What is wrong with the head's NFS export: it must go to the head's own subnet (read from the instance
+    metadata into $SUBNET) and nowhere else, with root squashed."""
+    cmds = [c for c in all_commands(cfg) if "/etc/exports" in c and "tee" in c]
+    if len(cmds) != 1:
+        return [f"expected one command writing /etc/exports, found {len(cmds)}"]
+    cmd = cmds[0]
+    lines = re.findall(r'echo "(/home/ubuntu/rayfl-shared [^"]*)"', cmd) + \
+        re.findall(r"echo '(/home/ubuntu/rayfl-shared [^']*)'", cmd)
+    if len(lines) != 1:
+        return [f"expected one export line, found {lines}"]
+    problems = []
+    clients = lines[0].split()[1:]
+    if clients != ["$SUBNET(rw,sync,no_subtree_check,root_squash)"]:
+        problems.append(f"exported to {clients}, not the cluster subnet only")
+    if any(b in lines[0] for b in BROAD) or "no_root_squash" in lines[0] or "insecure" in lines[0]:
+        problems.append(f"too wide: {lines[0]}")
+    if "subnet-ipv4-cidr-block" not in cmd or not re.search(r"SUBNET=\$\(curl -sSf", cmd):
+        problems.append("SUBNET is not the head's subnet from the instance metadata")
+    if "grep -Eq" not in cmd:
+        problems.append("an empty or odd SUBNET is not refused")
+    if "," in str(cfg["provider"].get("availability_zone", "")):
+        problems.append("nodes in several zones (subnets) while NFS exports to one")
+    return problems
+
+
+def test_nfs_exports_to_the_cluster_subnet_only():
+    assert nfs_export_problems(load("cluster.yaml")) == []
+
+
+@pytest.mark.parametrize("line", [
+    "/home/ubuntu/rayfl-shared 10.0.0.0/8(rw,sync,no_subtree_check)",
+    "/home/ubuntu/rayfl-shared *(rw,sync,no_subtree_check)",
+    "/home/ubuntu/rayfl-shared $SUBNET(rw,sync,no_subtree_check,no_root_squash)",
+])
+def test_nfs_check_catches_wide_exports(line):
+    cfg = load("cluster.yaml")
+    cfg["head_setup_commands"] = [re.sub(r'echo "/home/ubuntu/rayfl-shared [^"]*"', f'echo "{line}"', c)
+                                  for c in cfg["head_setup_commands"]]
+    assert nfs_export_problems(cfg)
+
+
+def test_nfs_check_catches_two_zones():
+    cfg = load("cluster.yaml")
+    cfg["provider"]["availability_zone"] = "us-west-2a,us-west-2b"
+    assert nfs_export_problems(cfg)

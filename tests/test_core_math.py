@@ -140,7 +140,7 @@ def test_config_file_and_overrides(tmp_path):
     f.write_text("clients: [1\n")
     with pytest.raises(UserError, match="not valid YAML"):
         make_config(str(f))
-    with pytest.raises(UserError, match="rounds='many': expected int"):
+    with pytest.raises(UserError, match="rounds='many': must be an integer"):
         make_config(None, {"rounds": "many"})
 
 

@@ -164,31 +164,22 @@ class Algorithm:
 
 
 def _coerce(value: Any, field: dataclasses.Field, algo: str) -> Any:
-    """Turn a CLI/YAML value into the field's declared type (the type is read from its default)."""
+    """Turn a CLI/YAML value into the field's declared type (the type is read from its default); no
+    silent coercion (2.5 for an integer knob, NaN, infinity, a boolean for a number: ValueError)."""
+    from rayfl.config import to_kind
+
     default = field.default if field.default is not dataclasses.MISSING else None
-    if default is None or type(value) is type(default):
+    if default is None:
         return value
-    if isinstance(default, tuple) and value in (None, ""):
-        return ()  # `-p lam_grid=` on the command line: an empty grid
     try:
-        if isinstance(default, bool):
-            if isinstance(value, str):
-                if value.lower() in ("1", "true", "yes", "on"):
-                    return True
-                if value.lower() in ("0", "false", "no", "off"):
-                    return False
-                raise ValueError
-            return bool(value)
-        if isinstance(default, int) and not isinstance(value, float):
-            return int(value)
-        if isinstance(default, (int, float)):
-            return float(value)
-        if isinstance(default, str):
-            return str(value)
         if isinstance(default, tuple):
-            items = [v for v in value.split(",") if v.strip()] if isinstance(value, str) else list(value)
+            if value in (None, ""):
+                return ()  # `-p lam_grid=` on the command line: an empty grid
+            items = [v for v in value.split(",") if v.strip()] if isinstance(value, str) else value
+            if not isinstance(items, (list, tuple)):
+                raise ValueError("must be a list")
             kind = type(default[0]) if default else float
-            return tuple(kind(v) for v in items)
-    except (TypeError, ValueError):
-        pass
-    raise ValueError(f"{field.name}={value!r} for algorithm {algo!r}: expected {type(default).__name__}")
+            return tuple(to_kind(v, kind) for v in items)
+        return to_kind(value, type(default))
+    except ValueError as e:
+        raise ValueError(f"{field.name}={value!r} for algorithm {algo!r}: {e}") from None

@@ -7,7 +7,9 @@ the global holdout, so the original split has no role (as in PersFL's pooled set
 from __future__ import annotations
 
 import gzip
+import math
 import os
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,9 +65,21 @@ def _standardize(x: np.ndarray) -> np.ndarray:
     return x
 
 
-def _images(name: str, x: np.ndarray, y: np.ndarray, num_classes: int) -> Dataset:
+def _images(name: str, x: np.ndarray, y: np.ndarray, num_classes: int, source: str = "") -> Dataset:
+    check_labels(y, num_classes, source or name)
     x = _standardize(x)
     return Dataset(name, x, y.astype(np.int64), "classification", num_classes, tuple(x.shape[1:]))
+
+
+def check_labels(y: np.ndarray, num_classes: int, source: str) -> None:
+    """Class labels must be integers in [0, num_classes): a label outside would be dropped by some
+    partitions and crash a client's loss under others."""
+    if len(y) == 0:
+        raise UserError(f"{source}: holds no samples")
+    lo, hi = int(np.min(y)), int(np.max(y))
+    if lo < 0 or hi >= num_classes:
+        bad = lo if lo < 0 else hi
+        raise UserError(f"{source}: label {bad} is outside the class range [0, {num_classes - 1}]")
 
 
 def _digits() -> Dataset:
@@ -107,18 +121,28 @@ _IDX = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
 _TV_DIR = {"mnist": "MNIST", "fashion-mnist": "FashionMNIST"}
 
 
-def _read_idx(path: str) -> np.ndarray:
+def _read_idx(path: str, ndim: int) -> np.ndarray:
+    """An IDX file of unsigned bytes with ``ndim`` dimensions (plain or .gz), checked before it is used:
+    a corrupt or truncated file is one line naming it, never a traceback."""
     opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rb") as f:
-        data = f.read()
+    try:
+        with opener(path, "rb") as f:
+            data = f.read()
+    except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
+        raise UserError(f"{path}: cannot be read as {'gzip' if path.endswith('.gz') else 'a file'} "
+                        f"({type(e).__name__}: {str(e) or 'truncated'})") from None
     if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] != 8:
         raise UserError(f"{path}: not an IDX file of unsigned bytes")
-    ndim = data[3]
+    if data[3] != ndim:
+        raise UserError(f"{path}: IDX file with {data[3]} dimensions; expected {ndim}")
+    header = 4 + 4 * ndim
+    if len(data) < header:
+        raise UserError(f"{path}: IDX header cut short ({len(data)} bytes, the header alone needs {header})")
     dims = [int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim)]
-    arr = np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim)
-    if arr.size != int(np.prod(dims)):
-        raise UserError(f"{path}: truncated IDX file")
-    return arr.reshape(dims)
+    if len(data) - header != math.prod(dims):
+        raise UserError(f"{path}: truncated or padded IDX file ({len(data) - header} bytes of data, "
+                        f"the header says {'x'.join(map(str, dims))})")
+    return np.frombuffer(data, dtype=np.uint8, offset=header).reshape(dims)
 
 
 def _find(directory: str, stem: str) -> str | None:
@@ -147,10 +171,17 @@ def _mnist_like(name: str, cfg: Config) -> Dataset:
     root = os.path.expanduser(cfg.data_root) if cfg.data_root else None
     pairs = _idx_pairs(root, name) if root and os.path.isdir(root) else []
     if pairs:
-        xs, ys = zip(*[(_read_idx(i), _read_idx(l)) for i, l in pairs])
+        xs, ys = [], []
+        for img, lbl in pairs:
+            x, y = _read_idx(img, 3), _read_idx(lbl, 1)
+            if x.shape[1:] != (28, 28):
+                raise UserError(f"{img}: {x.shape[1]}x{x.shape[2]} images; {name} images are 28x28")
+            if len(x) != len(y):
+                raise UserError(f"{img} and {lbl}: {len(x)} images but {len(y)} labels")
+            check_labels(y, 10, lbl)
+            xs.append(x)
+            ys.append(y)
         x, y = np.concatenate(xs), np.concatenate(ys)
-        if len(x) != len(y):
-            raise UserError(f"{cfg.data_root}: image and label files of {name} disagree in length")
     else:
         import torchvision.datasets as tvd
 
@@ -159,7 +190,7 @@ def _mnist_like(name: str, cfg: Config) -> Dataset:
         x = np.concatenate([p.data.numpy() for p in parts])
         y = np.concatenate([p.targets.numpy() for p in parts])
     x = (x.astype(np.float32) / 255.0)[:, None, :, :]
-    return _images(name, x, y, 10)
+    return _images(name, x, y, 10, f"{name} in {cfg.data_root}")
 
 
 def _cifar(name: str, cfg: Config) -> Dataset:
@@ -170,7 +201,7 @@ def _cifar(name: str, cfg: Config) -> Dataset:
     x = np.concatenate([p.data for p in parts]).transpose(0, 3, 1, 2)
     y = np.concatenate([np.asarray(p.targets) for p in parts])
     x = x.astype(np.float32) / 255.0
-    return _images(name, x, y, 10 if name == "cifar10" else 100)
+    return _images(name, x, y, 10 if name == "cifar10" else 100, f"{name} in {cfg.data_root}")
 
 
 def _torchvision(cls, name: str, cfg: Config) -> list:

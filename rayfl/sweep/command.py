@@ -75,11 +75,25 @@ def _arg_values(args) -> tuple[dict, dict, dict]:
     return file_values, flag_values, parse_params(args.param)
 
 
-def _default_metric(task: str, metric: str | None, mode: str | None) -> tuple[str, str]:
+STATS = ("mean", "weighted_mean", "std", "worst", "bottom10_mean")  # rayfl.metrics.summarize
+
+
+def selectable_metrics(task: str) -> list[str]:
+    """The per-round metrics a sweep may optimize: validation summaries (and the training loss)."""
+    kinds = ("loss",) if task == "regression" else ("acc", "loss")
+    return [f"val_{k}_{s}" for k in kinds for s in STATS] + ["train_loss"]
+
+
+def _default_metric(task: str, metric: str | None, mode: str | None, val_frac: float = 0.2) -> tuple[str, str]:
     metric = metric or ("val_loss_mean" if task == "regression" else "val_acc_mean")
-    if metric.startswith("test_") or metric.startswith("final_test"):
+    if metric.startswith("test_") or metric.startswith("final_test") or metric.startswith("global_"):
         raise UserError(f"--metric {metric}: hyperparameters are selected on validation, never on test "
                         f"(use val_acc_mean, val_loss_mean, ...)")
+    allowed = selectable_metrics(task)
+    if metric not in allowed:
+        raise UserError(f"--metric {metric}: unknown for a {task} task; allowed: {', '.join(allowed)}")
+    if metric.startswith("val_") and not val_frac > 0:
+        raise UserError(f"--metric {metric}: needs a validation split (val_frac={val_frac}; give it a value > 0)")
     return metric, mode or ("min" if "loss" in metric else "max")
 
 
@@ -141,7 +155,14 @@ def cmd_tune(args) -> int:
     # Ctrl-C reaches us as KeyboardInterrupt (Tune's own handler would end fit() as if the sweep were done);
     # Tune has saved its state by then, and --resume goes on from it.
     os.environ.setdefault("TUNE_DISABLE_SIGINT_HANDLER", "1")
+    from rayfl.cli import check_address, config_flags_given, init_ray, shutdown_ray
+
+    check_address(args.address)
     if args.resume:
+        extra = config_flags_given(args) + [f"--{k.replace('_', '-')}" for k in SWEEP_FLAGS if getattr(args, k)]
+        if extra:
+            raise UserError(f"--resume {args.resume!r} with {extra[0]}: a resumed sweep keeps its saved settings; "
+                            f"give only --resume DIR (and --address, --quiet)")
         meta = _load_meta(args.resume)
     else:
         meta = _new_sweep(args)
@@ -149,30 +170,42 @@ def cmd_tune(args) -> int:
 
     started = not ray.is_initialized()
     if started:
-        from rayfl.cli import init_ray
-
         init_ray(args.address)
     try:
         return _run(meta, args, resume=bool(args.resume))
     finally:
         if started:
-            ray.shutdown()
+            shutdown_ray()
+
+
+# `rayfl tune` flags that only a new sweep takes (a resumed one keeps what it was started with).
+SWEEP_FLAGS = ("space", "num_samples", "max_concurrent", "grace_period", "metric", "mode", "name", "storage_path",
+               "no_stage1_reuse")
 
 
 def _load_meta(sweep_dir: str) -> dict:
     path = os.path.join(sweep_dir, SWEEP_FILE)
     if not os.path.isfile(path):
         raise UserError(f"--resume {sweep_dir!r}: no {SWEEP_FILE} there (not a rayfl sweep directory)")
-    with open(path) as f:
-        meta = json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:  # ValueError: bad JSON or not UTF-8
+        raise UserError(f"--resume {sweep_dir!r}: {SWEEP_FILE} cannot be read ({str(e).splitlines()[0]})") from None
+    missing = [k for k in ("name", "algo", "base", "space", "space_path", "metric", "mode", "parent_run_id",
+                           "tracking_uri", "experiment_id", "storage") if not isinstance(meta, dict) or k not in meta]
+    if missing:
+        raise UserError(f"--resume {sweep_dir!r}: {SWEEP_FILE} lacks {missing[0]!r} (not written by rayfl tune, "
+                        f"or the sweep never started)")
     meta["sweep_dir"] = os.path.abspath(sweep_dir)
     return meta
 
 
 def _new_sweep(args) -> dict:
     """Everything decided and checked before Ray starts: values, space, metric, resources, MLflow parent."""
+    from rayfl.cli import open_experiment
     from rayfl.experiment import prepare
-    from rayfl.tracking import ensure_experiment, resolve_tracking_uri
+    from rayfl.tracking import resolve_tracking_uri
 
     file_values, flag_values, flag_params = _arg_values(args)
     algo = flag_values.get("algo") or file_values.get("algo")
@@ -185,12 +218,14 @@ def _new_sweep(args) -> dict:
     if plan.base.get("data_root"):  # trials run in their own directories: relative paths would break there
         plan.base["data_root"] = os.path.abspath(os.path.expanduser(plan.base["data_root"]))
     base_cfg = plan.config({})
+    for flag in ("num_samples", "max_concurrent", "grace_period"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise UserError(f"--{flag.replace('_', '-')}={value}: must be an integer >= 1 (leave it out for the default)")
     prepared = prepare(base_cfg)  # data errors (a missing data root, ...) before any trial; gives the task
-    metric, mode = _default_metric(prepared.info.task, args.metric, args.mode)
+    metric, mode = _default_metric(prepared.info.task, args.metric, args.mode, base_cfg.val_frac)
     search = args.search
     num_samples = args.num_samples or (1 if search == "grid" else 10)
-    if num_samples < 1:
-        raise UserError(f"--num-samples {num_samples}: must be >= 1")
     n_trials = n_grid * num_samples if search == "grid" else num_samples
     if search == "optuna":
         _search_alg("optuna", 0, 1, metric, mode)  # fails here, before anything starts, if optuna is missing
@@ -199,7 +234,17 @@ def _new_sweep(args) -> dict:
     sweep_dir = os.path.join(storage, name)
     if os.path.exists(os.path.join(sweep_dir, SWEEP_FILE)):
         raise UserError(f"sweep {sweep_dir} exists; resume it with --resume {sweep_dir}, or pick another --name")
+    if "/" in name or name in (".", ".."):
+        raise UserError(f"--name={name!r}: must be a name without '/'")
+    try:
+        os.makedirs(storage, exist_ok=True)
+        if not os.access(storage, os.W_OK | os.X_OK):
+            raise PermissionError(13, "Permission denied")
+    except OSError as e:
+        raise UserError(f"--storage-path={storage!r}: cannot write there ({e.strerror or e}); give a writable "
+                        f"directory (or --out-dir)") from None
     uri = resolve_tracking_uri(base_cfg.tracking_uri)
+    experiment_id = open_experiment(uri, base_cfg.experiment)
     reuse = plan.algo in STAGE1_FREE and "stage1_cache" in plan.knobs and not args.no_stage1_reuse
     stage1_root = None
     if reuse:
@@ -211,7 +256,7 @@ def _new_sweep(args) -> dict:
             "n_trials": n_trials, "max_concurrent": args.max_concurrent, "scheduler": args.scheduler,
             "grace_period": args.grace_period or max(1, base_cfg.rounds // 4), "seed": base_cfg.seed,
             "tracking_uri": uri, "experiment": base_cfg.experiment,
-            "experiment_id": ensure_experiment(uri, base_cfg.experiment), "stage1_root": stage1_root,
+            "experiment_id": experiment_id, "stage1_root": stage1_root,
             "parent_run_id": None}
 
 
@@ -238,7 +283,8 @@ def _run(meta: dict, args, resume: bool) -> int:
 
     cluster = {k: float(v) for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
     if not resume:
-        meta["max_concurrent"] = meta["max_concurrent"] or _default_concurrency(meta, cluster)
+        if meta["max_concurrent"] is None:
+            meta["max_concurrent"] = _default_concurrency(meta, cluster)
         if meta["max_concurrent"] < 1:
             raise UserError(f"--max-concurrent {meta['max_concurrent']}: must be >= 1")
         meta["share"] = {k: v / meta["max_concurrent"] for k, v in cluster.items()}
@@ -295,7 +341,9 @@ def _run(meta: dict, args, resume: bool) -> int:
         if meta["stage1_root"]:
             warm_stage1(meta, plan, args.quiet)
         if resume:
-            tuner = tune.Tuner.restore(meta["sweep_dir"], trainable, resume_unfinished=True, restart_errored=True,
+            # resume_errored, not restart_errored: a restarted trial would get a new trial id, hence a new
+            # checkpoint directory (sweep_dir/trials/<id>), and start again from round 1.
+            tuner = tune.Tuner.restore(meta["sweep_dir"], trainable, resume_unfinished=True, resume_errored=True,
                                        param_space=_search_space(plan, meta["search"]))
         else:
             tuner = tune.Tuner(

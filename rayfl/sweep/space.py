@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from rayfl.config import FIELDS, UserError, make_config
+from rayfl.config import FIELDS, UserError, load_yaml, make_config
 
 SECTIONS = ("fixed", "grid", "random")
 # name -> number of arguments (None: a list of values)
@@ -76,15 +76,7 @@ def find_space_file(algo: str) -> str:
 
 def load_space(path: str) -> Space:
     """Read and check the shape of a space file; values are checked by :func:`validate_space`."""
-    if not os.path.isfile(path):
-        raise UserError(f"space file {path!r}: no such file")
-    try:
-        with open(path) as f:
-            data = yaml.safe_load(f)
-    except yaml.YAMLError as e:
-        where = getattr(e, "problem_mark", None)
-        at = f" at line {where.line + 1}" if where is not None else ""
-        raise UserError(f"{path}: not valid YAML{at} ({str(getattr(e, 'problem', None) or e).splitlines()[0]})") from None
+    data = load_yaml(path, "space file")
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -129,6 +121,8 @@ def _distribution(path: str, key: str, spec: Any) -> tuple[str, Any]:
         return kind, list(args)
     if not all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in args):
         raise UserError(f"{where}: {kind} bounds must be numbers, got {args!r}")
+    if not all(math.isfinite(a) for a in args):
+        raise UserError(f"{where}: {kind} bounds must be finite numbers, got {args!r}")
     lo, hi = args[0], args[1]
     if not lo < hi if kind != "randint" else not lo <= hi:
         raise UserError(f"{where}: {kind} needs low < high, got {args!r}")
