@@ -389,6 +389,10 @@ def cmd_run(args) -> int:
     from rayfl.experiment import prepare
 
     prepared = prepare(cfg)  # every user mistake surfaces here, before Ray starts
+    if not (args.address or os.environ.get("RAY_ADDRESS")):
+        from rayfl.actors.resources import preflight
+
+        preflight(cfg)  # a private instance on this machine: a request it cannot hold is refused now
     uri = resolve_tracking_uri(cfg.tracking_uri)
     run_name = cfg.run_name or f"{cfg.algo}-{cfg.dataset}-{cfg.partition}-s{cfg.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
     if not args.resume:
