@@ -55,6 +55,8 @@ GROUPS = {
         "tracking_uri": "MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)",
         "experiment": "MLflow experiment name",
         "run_name": "MLflow run name",
+        "stage_cache": "directory where runs share stages whose inputs agree, e.g. PersFL's FedAvg stage "
+                       "across (lam, T) (empty: off; `rayfl tune` uses <sweep>/stages)",
     },
     "resources": {
         "clients_per_actor": "clients hosted by one client actor (auto: one actor per client while the "

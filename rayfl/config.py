@@ -67,6 +67,7 @@ class Config:
     tracking_uri: str | None = None  # None: MLFLOW_TRACKING_URI, else sqlite:///mlflow.db
     experiment: str = "rayfl"
     run_name: str | None = None
+    stage_cache: str = ""  # directory shared by runs to reuse stages (rayfl.stage_cache); "": off
     # resources
     clients_per_actor: int | str = "auto"  # auto: one actor per client while the cluster has a slot for each
     cpus_per_actor: float = 0.0  # 0: share the cluster's CPUs among the actors
@@ -113,6 +114,8 @@ class Config:
             raise UserError(f"gpus_per_actor={self.gpus_per_actor}: must be >= 0, or -1 for automatic")
         if not 0 <= self.seed <= MAX_SEED:
             raise UserError(f"seed={self.seed}: must be an integer in [0, {MAX_SEED}]")
+        if self.stage_cache and os.path.exists(self.stage_cache) and not os.path.isdir(self.stage_cache):
+            raise UserError(f"stage_cache={self.stage_cache!r}: exists and is not a directory")
         if self.data_root is not None and not os.path.isdir(os.path.expanduser(self.data_root)):
             raise UserError(f"data_root={self.data_root!r}: no such directory")
         if not self.experiment.strip():

@@ -6,6 +6,7 @@ missing data root) is reported before any actor starts, and the data is loaded e
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,14 +27,18 @@ class Prepared:
     model_spec: ModelSpec
     initial: np.ndarray
     info: RunInfo
+    data_id: str = ""  # digest of the data and splits, when stages are shared (rayfl.stage_cache)
 
 
 def prepare(cfg: Config) -> Prepared:
     from rayfl.data import build_federation, load_dataset
     from rayfl.models import default_model
+    from rayfl.stage_cache import data_identity
     from rayfl.training import to_vector
 
     cfg.check()
+    if cfg.stage_cache:  # the same directory for every process of the run, whatever its working directory
+        cfg.stage_cache = os.path.abspath(os.path.expanduser(cfg.stage_cache))
     ds = load_dataset(cfg)
     fed = build_federation(cfg, ds)
     name = default_model(ds) if cfg.model == "auto" else cfg.model
@@ -47,4 +52,5 @@ def prepare(cfg: Config) -> Prepared:
     info = RunInfo(n_clients=cfg.clients, rounds=cfg.rounds, participation=cfg.participation, seed=cfg.seed,
                    n_train=[len(c.train) for c in fed.clients], task=ds.task,
                    groups=groups if any(g is not None for g in groups) else None, n_params=int(initial.size))
-    return Prepared(cfg, get_algorithm(cfg.algo), ds, fed, spec, initial, info)
+    data_id = data_identity(ds, fed) if cfg.stage_cache else ""
+    return Prepared(cfg, get_algorithm(cfg.algo), ds, fed, spec, initial, info, data_id)

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from rayfl.metrics import round_summary
+from rayfl.stage_cache import StageReuse
 
 
 class RunStopped(Exception):
@@ -58,6 +59,7 @@ class Loop:
         self.start_step = 0
         self.call_seconds = 0.0
         self.stop_requested = False
+        self.stage_reuse = None
 
     # --- pieces ---------------------------------------------------------------------------------
     def call(self, step: str, messages: dict[int, dict], reduce=None) -> dict[int, dict]:
@@ -90,6 +92,8 @@ class Loop:
     def run(self) -> "Loop":
         if self.checkpoint_dir:
             self.try_resume()
+        if self.start_step == 0:  # stages shared with runs that agree up to them (rayfl.stage_cache)
+            self.stage_reuse = StageReuse.open(self)
         for cb in self.callbacks:
             cb.on_start(self)
         if self.start_step == 0:
@@ -116,10 +120,14 @@ class Loop:
                 self.last_eval = per_client
             record = RoundRecord(step, stage.name, participants, metrics, per_client)
             self.history.append({"step": step, "stage": stage.name, **metrics})
+            if self.stage_reuse:
+                self.stage_reuse.after_round(self, step)
             for cb in self.callbacks:
                 cb.on_round(self, record)
             if self.checkpoint_dir and self.cfg.checkpoint_every and (step + 1) % self.cfg.checkpoint_every == 0:
                 self.save_checkpoint(step)
+        if self.stage_reuse:
+            self.stage_reuse.close()
         for cb in self.callbacks:
             cb.on_end(self)
         return self
@@ -132,8 +140,8 @@ class Loop:
     # --- checkpoints ----------------------------------------------------------------------------
     CHECKPOINT_FILE = "checkpoint.pkl"
 
-    def checkpoint_path(self) -> str:
-        return os.path.join(self.checkpoint_dir, self.CHECKPOINT_FILE)
+    def checkpoint_path(self, directory: str | None = None) -> str:
+        return os.path.join(directory or self.checkpoint_dir, self.CHECKPOINT_FILE)
 
     @classmethod
     def has_checkpoint(cls, directory: str) -> bool:
@@ -141,21 +149,24 @@ class Loop:
         before anything starts)."""
         return os.path.isfile(os.path.join(directory, cls.CHECKPOINT_FILE))
 
-    def save_checkpoint(self, step: int) -> None:
-        """Everything needed to go on after the round ``step``: server, clients, RNGs and history."""
+    def save_checkpoint(self, step: int, directory: str | None = None) -> None:
+        """Everything needed to go on after the round ``step``: server, clients, RNGs and history
+        (in ``directory``, default the run's checkpoint directory; the stage cache passes its own)."""
         state = {"step": step, "server": self.server.state_dict(), "clients": self.runtime.client_states(),
                  "rng": self.rng.bit_generator.state, "server_rng": self.server.rng.bit_generator.state,
                  "history": self.history, "last_eval": self.last_eval, "setup_metrics": self.setup_metrics}
-        os.makedirs(self.checkpoint_dir, exist_ok=True)
-        tmp = self.checkpoint_path() + ".tmp"
+        path = self.checkpoint_path(directory)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "wb") as f:
             pickle.dump(state, f)
-        os.replace(tmp, self.checkpoint_path())  # never leave a half-written checkpoint
+        os.replace(tmp, path)  # never leave a half-written checkpoint
 
-    def try_resume(self) -> None:
-        if not os.path.isfile(self.checkpoint_path()):
-            return
-        with open(self.checkpoint_path(), "rb") as f:
+    def try_resume(self, directory: str | None = None) -> bool:
+        path = self.checkpoint_path(directory)
+        if not os.path.isfile(path):
+            return False
+        with open(path, "rb") as f:
             state = pickle.load(f)
         self.server.load_state_dict(state["server"])
         self.runtime.load_client_states(state["clients"])
@@ -165,3 +176,4 @@ class Loop:
         self.last_eval = state["last_eval"]
         self.setup_metrics = state["setup_metrics"]
         self.start_step = state["step"] + 1
+        return True

@@ -156,49 +156,26 @@ def test_params_from_cli_strings_and_checks():
 
 # ------------------------------------------------------------------------------------------- whole runs
 
-def run(tmp_cache=None, **params):
+def run(**params):
     params = {"lam_grid": (0.0, 0.5), "T_grid": (1.0, 4.0), **params}
-    if tmp_cache:
-        params["stage1_cache"] = str(tmp_cache)
     cfg = make_config(None, {"algo": "persfl", "dataset": "synthetic", "partition": "pathological", "clients": 4,
                              "rounds": 3, "lr": 0.1, "samples_per_client": 150, "params": params})
     p = prepare(cfg)
     return Loop(p, LocalRuntime(p)).run()
 
 
-def evals(loop):
-    return {c: {k: v for k, v in rec.items() if k != "seconds"} for c, rec in loop.last_eval.items()}
-
-
-def test_stage1_cache_gives_the_same_stage2(tmp_path):
+def test_whole_run_tables_and_one_point_equals_that_point_of_the_grid():
+    """(Sharing stage 1 across runs is the platform's: tests/test_stage_cache.py.)"""
     plain = run()
-    writer = run(tmp_path)
-    reader = run(tmp_path)
-    assert (tmp_path / "persfl_stage1.npz").is_file()
     assert [h["stage"] for h in plain.history] == ["fedavg"] * 3 + ["distill"]
-    assert [h["stage"] for h in reader.history] == ["distill"]  # stage 1 skipped
-    assert reader.final["stage1_from_cache"] == 1.0 and writer.final["stage1_from_cache"] == 0.0
-    for other in (writer, reader):
-        assert evals(other) == evals(plain)  # every client's val/test loss and accuracy, exactly
-        a, b = plain.server.artifacts(), other.server.artifacts()
-        assert a["persfl_clients"].equals(b["persfl_clients"]) and a["persfl_grid"].equals(b["persfl_grid"])
     table = plain.server.artifacts()["persfl_clients"]
     assert list(table.columns[:5]) == ["client", "teacher_round", "teacher_val_loss", "lam", "T"]
     assert table.teacher_round.between(0, 3).all()
-    # a trial with one (λ, T) and the same cache reproduces that grid point's validation score
-    single = run(tmp_path, lam=0.5, T=4.0, lam_grid=(), T_grid=())
+    # a run with one (λ, T) (a Tune trial) reproduces that grid point's validation score
+    single = run(lam=0.5, T=4.0, lam_grid=(), T_grid=())
     grid = plain.server.artifacts()["persfl_grid"]
     want = grid[(grid.lam == 0.5) & (grid["T"] == 4.0)].val_acc.to_numpy()
     np.testing.assert_array_equal(single.server.artifacts()["persfl_clients"].val_acc.to_numpy(), want)
-
-
-def test_cache_from_another_config_is_refused(tmp_path):
-    run(tmp_path)
-    cfg = make_config(None, {"algo": "persfl", "dataset": "synthetic", "clients": 4, "rounds": 2, "lr": 0.1,
-                             "samples_per_client": 150, "params": {"stage1_cache": str(tmp_path)}})
-    p = prepare(cfg)
-    with pytest.raises(ValueError, match="rounds"):
-        Loop(p, LocalRuntime(p))
 
 
 def test_final_teacher_ablation_runs():

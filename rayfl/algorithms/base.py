@@ -30,7 +30,9 @@ An algorithm is one module in ``rayfl/algorithms/`` that defines three things an
 
 The shared loop (:mod:`rayfl.loop`) owns everything else: participant sampling, dispatch, evaluation,
 the summary across clients, logging, checkpoints and timing. Stages (PersFL's distillation, FedMoE's
-fine-tuning and gate) are listed by :meth:`Server.stages`; each stage is a number of rounds in the same run.
+fine-tuning and gate) are listed by :meth:`Server.stages`; each stage is a number of rounds in the same run,
+and a stage that names the knobs it reads (``Stage.depends_on``) is shared by runs that differ only in
+later stages' knobs (:mod:`rayfl.stage_cache`).
 
 Registering: ``ALGORITHM = Algorithm("name", Params, Server, ClientLogic, "one-line summary")`` at the
 bottom of the module, and the module's name in :data:`rayfl.algorithms.MODULES`.
@@ -51,11 +53,16 @@ Call = Callable[..., "dict[int, Upload]"]  # call(step, messages, reduce=None)
 
 @dataclass(frozen=True)
 class Stage:
-    """A named block of rounds; ``sample=False`` means every client takes part in each of its rounds."""
+    """A named block of rounds; ``sample=False`` means every client takes part in each of its rounds.
+
+    ``depends_on`` names the algorithm knobs the stage reads (``()``: none, e.g. a FedAvg stage 1);
+    ``None`` means all of them. Runs whose config and knobs agree up to a stage share its result
+    (:mod:`rayfl.stage_cache`), so a stage must not read a knob it does not name here."""
 
     name: str
     rounds: int
     sample: bool = True
+    depends_on: tuple | None = None
 
 
 @dataclass

@@ -75,7 +75,7 @@ class FineTuneParams:
 
 class FineTuneServer(FedAvgServer):
     def stages(self):
-        return [Stage("fedavg", self.info.rounds), Stage("finetune", 1, sample=False)]
+        return [Stage("fedavg", self.info.rounds, depends_on=()), Stage("finetune", 1, sample=False)]
 
     def run_round(self, stage, rnd, participants, call):
         if stage.name == "fedavg":

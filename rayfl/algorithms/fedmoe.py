@@ -175,8 +175,10 @@ class FedMoEServer(FedAvgServer):
         self.selection: list[dict] = []
 
     def stages(self):
-        # stage 1 samples its own participants among the opted-in clients, so no stage is sampled by the loop
-        return [Stage("fedavg", self.info.rounds, sample=False), Stage("specialist", 1, sample=False),
+        # stage 1 samples its own participants among the opted-in clients, so no stage is sampled by the loop;
+        # each stage names the knobs it reads, so trials that differ only in later ones share it
+        return [Stage("fedavg", self.info.rounds, sample=False, depends_on=("opt_out", "select_every")),
+                Stage("specialist", 1, sample=False, depends_on=("specialist_epochs", "patience", "ft_lr")),
                 Stage("mixture", 1, sample=False)]
 
     def selected(self):

@@ -27,8 +27,9 @@ Choices where the paper is silent (written down as the brief asks):
 - Grid default: λ ∈ {0, .25, .5, .75, 1}, T ∈ {1, 5, 9, ..., 25} (inferred from Table 5, spec §2.2). An empty
   grid means "use the single ``lam`` / ``T``" (a Tune trial sets lam, T and ``lam_grid=() T_grid=()``).
 - Every grid point restarts from the teacher with the same batch order (a generator seeded by (seed, client),
-  independent of stage 1), so one grid point run alone (a Tune trial) equals that point inside the grid, and a
-  run that loads stage 1 from ``stage1_cache`` gives exactly the stage 2 of a run that computed it.
+  independent of stage 1), so one grid point run alone (a Tune trial) equals that point inside the grid. Stage 1
+  reads no PersFL knob (``depends_on=()``), so runs that differ only in stage-2 knobs share it through the
+  platform's stage cache (``stage_cache``; on in ``rayfl tune``).
 - ``distill_epochs=0`` means the run's ``local_epochs`` (Algorithm 1 loops E_L epochs in stage 2); the
   optimizer and learning rate are the run's.
 - Non-participants of a stage-1 round (participation < 1; the paper has full participation) still receive the
@@ -37,8 +38,6 @@ Choices where the paper is silent (written down as the brief asks):
 
 from __future__ import annotations
 
-import io
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,7 +51,6 @@ from rayfl import training
 
 VARIANTS = ("sgd", "gd")  # sgd: PersFL's KL soft loss (Eq. 3, trained by plain SGD); gd: PersFL-GD (Eq. 7)
 TEACHERS = ("best", "final")
-CACHE_FILE = "persfl_stage1.npz"
 LAM_GRID = (0.0, 0.25, 0.5, 0.75, 1.0)  # spec §2.2 (inferred from Table 5)
 T_GRID = (1.0, 5.0, 9.0, 13.0, 17.0, 21.0, 25.0)  # spec §2.2 (inferred from Table 5)
 
@@ -66,7 +64,6 @@ class PersFLParams:
     distill_epochs: int = 0  # epochs per grid point in stage 2; 0 = the run's local_epochs (Algorithm 1: E_L)
     variant: str = "sgd"  # sgd: KL soft loss (Eq. 3); gd: cross-entropy soft loss (Eq. 7)
     teacher: str = "best"  # best: each client's optimal round (Eq. 2); final: the last FedAvg model (Table 4)
-    stage1_cache: str = ""  # directory: stage 1's teachers are written there, or read from there if present
 
     def grid(self) -> list[tuple[float, float]]:
         """(λ, T) points in the order ties are broken: λ outer, T inner, as given (spec pitfall §6.7)."""
@@ -85,8 +82,6 @@ class PersFLParams:
             raise ValueError(f"variant={self.variant!r}: allowed: {', '.join(VARIANTS)}")
         if self.teacher not in TEACHERS:
             raise ValueError(f"teacher={self.teacher!r}: allowed: {', '.join(TEACHERS)}")
-        if self.stage1_cache and os.path.exists(self.stage1_cache) and not os.path.isdir(self.stage1_cache):
-            raise ValueError(f"stage1_cache={self.stage1_cache!r}: exists and is not a directory")
 
     def check_config(self, cfg) -> None:
         if cfg.val_frac <= 0:
@@ -149,53 +144,17 @@ def distill(student, x, y, teacher_logits, lam, T, variant, epochs, batch_size, 
     return last
 
 
-# ------------------------------------------------------------------------------------------- stage-1 cache
-
-def write_cache(path: str, teachers: np.ndarray, rounds: np.ndarray, losses: np.ndarray, final: np.ndarray,
-                meta: dict) -> None:
-    """Atomically (tmp + rename), so a parallel trial never reads half a file."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    buf = io.BytesIO()
-    np.savez(buf, teachers=teachers, teacher_round=rounds, teacher_loss=losses, final=final,
-             **{f"meta_{k}": np.asarray(v) for k, v in meta.items()})
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(buf.getvalue())
-    os.replace(tmp, path)
-
-
-def read_cache(path: str, meta: dict) -> dict:
-    with np.load(path) as z:
-        data = {k: z[k] for k in z.files}
-    for k, v in meta.items():
-        if f"meta_{k}" not in data or data[f"meta_{k}"].item() != v:
-            got = data[f"meta_{k}"].item() if f"meta_{k}" in data else "missing"
-            raise ValueError(f"stage1_cache: {path} was written for {k}={got}, this run has {k}={v}; "
-                             f"use a cache directory keyed by the whole config")
-    return data
-
-
 # ------------------------------------------------------------------------------------------- driver
 
 class PersFLServer(FedAvgServer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.cache_path = os.path.join(self.params.stage1_cache, CACHE_FILE) if self.params.stage1_cache else None
-        self.cached = None
-        if self.cache_path and os.path.isfile(self.cache_path):
-            self.cached = read_cache(self.cache_path, self.meta())
-            self.global_ref = self.put(self.cached["final"])
         self.table: pd.DataFrame | None = None
         self.grid_table: pd.DataFrame | None = None
 
-    def meta(self) -> dict:
-        """What must match for a cached stage 1 to be this run's (the directory is keyed by the rest)."""
-        i = self.info
-        return {"n_clients": i.n_clients, "n_params": i.n_params, "seed": i.seed, "rounds": i.rounds}
-
     def stages(self):
-        distill = Stage("distill", 1, sample=False)
-        return [distill] if self.cached is not None else [Stage("fedavg", self.info.rounds), distill]
+        # stage 1 reads no PersFL knob: runs that differ only in (λ, T, ...) share it (rayfl.stage_cache)
+        return [Stage("fedavg", self.info.rounds, depends_on=()), Stage("distill", 1, sample=False)]
 
     def run_round(self, stage, rnd, participants, call):
         if stage.name == "fedavg":
@@ -212,20 +171,7 @@ class PersFLServer(FedAvgServer):
 
     def distill_round(self, call):
         cids = list(range(self.info.n_clients))
-        if self.cached is None:  # the final aggregate is the last teacher candidate
-            share = self.cache_path is not None
-            ups = call("select_teacher", {c: {"models": {"global": self.global_ref}, "round": self.info.rounds,
-                                              "share": share} for c in cids})
-            if share:
-                write_cache(self.cache_path, np.stack(self.get([ups[c]["teacher"] for c in cids])),
-                            np.array([ups[c]["teacher_round"] for c in cids]),
-                            np.array([ups[c]["teacher_loss"] for c in cids]),
-                            self.get([self.global_ref])[0], self.meta())
-        else:
-            z = self.cached
-            call("set_teacher", {c: {"models": {"teacher": self.put(z["teachers"][c]), "global": self.global_ref},
-                                     "round": int(z["teacher_round"][c]), "loss": float(z["teacher_loss"][c])}
-                                 for c in cids})
+        call("select_teacher", {c: {"models": {"global": self.global_ref}, "round": self.info.rounds} for c in cids})
         ups = call("distill", {c: {"seed": self.info.seed} for c in cids})
         self.table = pd.DataFrame([{"client": c, "teacher_round": ups[c]["teacher_round"],
                                     "teacher_val_loss": ups[c]["teacher_loss"], "lam": ups[c]["lam"],
@@ -233,7 +179,7 @@ class PersFLServer(FedAvgServer):
                                    for c in cids])
         self.grid_table = pd.DataFrame([{"client": c, "lam": g[0], "T": g[1], "val_acc": g[2], "val_loss": g[3]}
                                         for c in cids for g in ups[c]["grid"]])
-        return {"train_loss": weighted_mean(ups, "train_loss"), "stage1_from_cache": float(self.cached is not None),
+        return {"train_loss": weighted_mean(ups, "train_loss"),
                 "teacher_round_mean": float(self.table.teacher_round.mean()),
                 "lam_mean": float(self.table.lam.mean()), "T_mean": float(self.table["T"].mean())}
 
@@ -272,18 +218,8 @@ class PersFLClient(FedAvgClient):
         return super().step_train(client, msg, models) if msg.get("train", True) else {}
 
     def step_select_teacher(self, client, msg, models):
+        """The final aggregate is the last teacher candidate (Alg. 1 l. 3-9 once more, at stage 2's start)."""
         self.track(client, models["global"], msg["round"])
-        if self.params.teacher == "final":
-            client.state["final"] = np.array(models["global"], dtype=np.float32)
-        up = {"teacher_round": client.state["teacher_round"], "teacher_loss": client.state["teacher_loss"]}
-        if msg.get("share"):
-            up["teacher"] = client.share(client.state["teacher"])
-        return up
-
-    def step_set_teacher(self, client, msg, models):
-        """Stage 1 read from the cache: the teacher (and the final global) arrive instead of being found."""
-        client.state.update(teacher=np.array(models["teacher"], dtype=np.float32), teacher_round=int(msg["round"]),
-                            teacher_loss=float(msg["loss"]))
         if self.params.teacher == "final":
             client.state["final"] = np.array(models["global"], dtype=np.float32)
         return {}
