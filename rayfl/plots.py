@@ -1,4 +1,4 @@
-"""Figures logged as MLflow artifacts (headless: the Agg backend)."""
+"""Figures logged as MLflow artifacts (headless: the Agg backend). Rounds are counted from 1, as on the console."""
 
 from __future__ import annotations
 
@@ -7,15 +7,58 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from matplotlib.colors import TwoSlopeNorm  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+MASK_COLOUR = "#d9d9d9"  # cells without a value (FedFomo: a model the client did not download)
+
+# What a client-by-client matrix holds, per (algorithm, artifact name): its title, its axes, whether its values
+# are signed (a diverging colour map centred at 0) and what a missing (NaN) cell means.
+MATRICES = {
+    ("fedfomo", "P"): ("FedFomo affinity P: p_ij summed over rounds (row: client i, column: client j)",
+                       ("client j", "client i"), True, None),
+    ("fedfomo", "weights"): ("FedFomo weights w*_ij of the last update (row: client, column: downloaded model)",
+                             ("downloaded model (client id)", "client"), False, "not downloaded"),
+    ("fedfomo", "weights_raw"): ("FedFomo raw weights w_ij of the last update (row: client, column: downloaded "
+                                 "model)", ("downloaded model (client id)", "client"), True, "not downloaded"),
+    ("federico", "W"): ("FedeRiCo collaborator weights w_ij (row: client, column: collaborator)",
+                        ("collaborator j", "client i"), False, None),
+    ("usercentric", "W"): ("User-centric aggregation weights w_ij (row: user, column: user whose update is mixed)",
+                           ("user j (update)", "user i"), False, None),
+}
 
 
-def heatmap(matrix, title: str, xlabel: str = "client j", ylabel: str = "client i"):
-    """A client-by-client matrix (FedFomo's P, FedeRiCo's or user-centric weights)."""
-    m = np.asarray(matrix)
-    fig, ax = plt.subplots(figsize=(5, 4.2))
-    im = ax.imshow(m, cmap="viridis")
-    fig.colorbar(im, ax=ax)
-    ax.set_title(title)
+def _wrap(title: str, width: int = 60) -> str:
+    import textwrap
+
+    return "\n".join(textwrap.wrap(title, width))
+
+
+def heatmap(matrix, title: str, xlabel: str = "client j", ylabel: str = "client i", diverging: bool = False,
+            missing: str | None = None, ids=None):
+    """A client-by-client matrix with integer ticks at the client ids; ``diverging``: a red-blue map centred
+    at 0 (signed values); NaN cells drawn in grey, with a legend entry ``missing`` when given."""
+    m = np.asarray(matrix, dtype=float)
+    ids = list(range(m.shape[0])) if ids is None else list(ids)
+    fig, ax = plt.subplots(figsize=(6, 5.2))
+    finite = m[np.isfinite(m)]
+    if diverging:
+        bound = float(np.max(np.abs(finite))) if finite.size else 1.0
+        bound = bound or 1.0
+        cmap, norm = plt.get_cmap("RdBu_r"), TwoSlopeNorm(vcenter=0.0, vmin=-bound, vmax=bound)
+    else:
+        cmap, norm = plt.get_cmap("viridis"), None
+    cmap = cmap.with_extremes(bad=MASK_COLOUR)
+    im = ax.imshow(np.ma.masked_invalid(m), cmap=cmap, norm=norm, interpolation="nearest")
+    fig.colorbar(im, ax=ax, label="white = 0" if diverging else None)
+    step = max(1, int(np.ceil(len(ids) / 20)))  # at most ~20 labels per axis
+    ax.set_xticks(range(0, m.shape[1], step), [str(i) for i in range(0, m.shape[1], step)])
+    ax.set_yticks(range(0, m.shape[0], step), [str(ids[i]) for i in range(0, m.shape[0], step)])
+    if missing and np.isnan(m).any():
+        ax.legend(handles=[Patch(facecolor=MASK_COLOUR, edgecolor="0.5", label=missing)],
+                  loc="upper left", bbox_to_anchor=(0.0, -0.12), frameon=False)
+    ax.set_title(_wrap(title), fontsize=10)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     fig.tight_layout()
@@ -23,18 +66,42 @@ def heatmap(matrix, title: str, xlabel: str = "client j", ylabel: str = "client 
     return fig
 
 
-def accuracy_plot(history: list[dict]):
-    """Test accuracy over rounds: mean, worst client and bottom-10% mean (loss for regression)."""
-    metric = "test_acc" if any("test_acc_mean" in h for h in history) else "test_loss"
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for stat in ("mean", "worst", "bottom10_mean"):
-        pts = [(h["step"], h[f"{metric}_{stat}"]) for h in history if f"{metric}_{stat}" in h]
+def matrix_plot(algo: str, name: str, matrix):
+    """The heatmap of one algorithm artifact, titled with what it holds."""
+    signed = bool(np.nanmin(matrix) < 0) if np.isfinite(matrix).any() else False
+    title, (xlabel, ylabel), diverging, missing = MATRICES.get(
+        (algo, name), (f"{algo}: {name} (row: client, column: client)", ("client j", "client i"), signed, None))
+    return heatmap(matrix, title, xlabel, ylabel, diverging=diverging, missing=missing)
+
+
+def accuracy_plot(history: list[dict], title: str = ""):
+    """Per round (from 1): test mean, worst client and bottom-10% mean, and the validation mean (loss for
+    regression); a dotted line where a new stage starts."""
+    metric = "acc" if any("test_acc_mean" in h for h in history) else "loss"
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    styles = [("test", "mean", dict(color="C0", marker="o", lw=2)),
+              ("test", "bottom10_mean", dict(color="C1", marker="s", ls="--", ms=4)),
+              ("test", "worst", dict(color="C3", marker="v", ls=":", ms=5)),
+              ("val", "mean", dict(color="C2", marker="^", ls="-.", ms=4))]
+    for split, stat, style in styles:
+        key = f"{split}_{metric}_{stat}"
+        pts = [(h["step"] + 1, h[key]) for h in history if key in h]
         if pts:
-            ax.plot(*zip(*pts), marker=".", label=stat)
+            label = {"mean": "mean", "bottom10_mean": "bottom 10% mean", "worst": "worst client"}[stat]
+            ax.plot(*zip(*pts), label=f"{split} {label}", **style)
+    stage = None
+    for h in history:
+        if stage is not None and h.get("stage") != stage:
+            ax.axvline(h["step"] + 0.5, color="0.6", ls=":", lw=1)
+            ax.annotate(h.get("stage", ""), (h["step"] + 0.5, 1), xycoords=("data", "axes fraction"),
+                        xytext=(3, -12), textcoords="offset points", fontsize=8, color="0.4")
+        stage = h.get("stage")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("round")
-    ax.set_ylabel(metric.replace("_", " "))
+    ax.set_ylabel("accuracy" if metric == "acc" else "loss")
+    ax.set_title(_wrap(title or f"{'accuracy' if metric == 'acc' else 'loss'} per round", 70), fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     plt.close(fig)
     return fig
@@ -46,7 +113,36 @@ def metric_vs_knob(df, knob: str, metric: str):
     ax.scatter(df[knob], df[metric])
     ax.set_xlabel(knob)
     ax.set_ylabel(metric)
+    ax.set_title(f"{metric} (final round) per trial, by {knob}", fontsize=10)
     ax.grid(alpha=0.3)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+
+
+def grid_heatmap(df, x: str, y: str, metric: str, mode: str = "max"):
+    """A two-knob grid's metric (mean over repeats), one annotated cell per (x, y), the best one outlined."""
+    table = df.pivot_table(index=y, columns=x, values=metric, aggfunc="mean").sort_index().sort_index(axis=1)
+    m = table.to_numpy(dtype=float)
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.5 + 0.9 * m.shape[1]), max(3.5, 1.4 + 0.55 * m.shape[0])))
+    cmap = plt.get_cmap("viridis" if mode == "max" else "viridis_r").with_extremes(bad=MASK_COLOUR)
+    im = ax.imshow(np.ma.masked_invalid(m), cmap=cmap, aspect="auto")
+    fig.colorbar(im, ax=ax, label=metric)
+    ax.set_xticks(range(m.shape[1]), [f"{v:g}" if isinstance(v, float) else str(v) for v in table.columns])
+    ax.set_yticks(range(m.shape[0]), [f"{v:g}" if isinstance(v, float) else str(v) for v in table.index])
+    lo, hi = (np.nanmin(m), np.nanmax(m)) if np.isfinite(m).any() else (0.0, 1.0)
+    for i in range(m.shape[0]):
+        for j in range(m.shape[1]):
+            if np.isfinite(m[i, j]):
+                dark = (m[i, j] - lo) / ((hi - lo) or 1.0) < 0.5
+                ax.text(j, i, f"{m[i, j]:.3f}", ha="center", va="center", fontsize=7,
+                        color=("white" if dark == (mode == "max") else "black"))
+    if np.isfinite(m).any():
+        i, j = np.unravel_index(np.nanargmax(m) if mode == "max" else np.nanargmin(m), m.shape)
+        ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, ec="red", lw=2))
+    ax.set_xlabel(x)
+    ax.set_ylabel(y)
+    ax.set_title(_wrap(f"{metric} (final round) over {y} x {x}; best outlined", 50), fontsize=10)
     fig.tight_layout()
     plt.close(fig)
     return fig

@@ -101,8 +101,9 @@ class Writer:
 
 class MlflowTracker(Callback):
     def __init__(self, tracking_uri: str, experiment_id: str, run_name: str | None = None,
-                 parent_run_id: str | None = None, extra_params: dict | None = None):
+                 parent_run_id: str | None = None, extra_params: dict | None = None, tags: dict | None = None):
         self.uri = tracking_uri
+        self.tags = tags or {}
         self.experiment_id = experiment_id
         self.run_name = run_name
         self.parent_run_id = parent_run_id
@@ -110,6 +111,7 @@ class MlflowTracker(Callback):
         self.run_id: str | None = None
         self.client_metrics = False
         self.writer: Writer | None = None
+        self.algo = ""
         self._tmp = tempfile.mkdtemp(prefix="rayfl-artifacts-")
 
     # --- writing, in the background -------------------------------------------------------------
@@ -144,9 +146,9 @@ class MlflowTracker(Callback):
             self._log_array(f"{name}.npy", obj, path)
             arr = np.asarray(obj)
             if arr.ndim == 2 and arr.shape[0] == arr.shape[1] and arr.shape[0] > 1:
-                from rayfl.plots import heatmap
+                from rayfl.plots import matrix_plot
 
-                self._client.log_figure(self.run_id, heatmap(arr, name), f"plots/{name}.png")
+                self._client.log_figure(self.run_id, matrix_plot(self.algo, name, arr), f"plots/{name}.png")
 
     # --- callback hooks -------------------------------------------------------------------------
     def on_start(self, loop) -> None:
@@ -155,12 +157,14 @@ class MlflowTracker(Callback):
 
         mlflow.set_tracking_uri(self.uri)
         self._client = MlflowClient(self.uri)
+        self.algo = loop.cfg.algo
         resume_file = os.path.join(loop.checkpoint_dir, "mlflow_run_id") if loop.checkpoint_dir else None
-        if loop.start_step > 0 and resume_file and os.path.isfile(resume_file):
+        resumed = loop.start_step > 0 and resume_file and os.path.isfile(resume_file)
+        if resumed:
             run = mlflow.start_run(run_id=open(resume_file).read().strip())
         else:
             run = mlflow.start_run(experiment_id=self.experiment_id, run_name=self.run_name,
-                                   parent_run_id=self.parent_run_id)
+                                   parent_run_id=self.parent_run_id, tags=self.tags or None)
             cfg = loop.cfg
             params = {**cfg.to_flat(), "model_resolved": loop.prepared.model_spec.name,
                       "n_params": loop.prepared.info.n_params, "n_actors": len(loop.runtime.placement()),
@@ -174,6 +178,12 @@ class MlflowTracker(Callback):
         self.run_id = run.info.run_id
         self.client_metrics = loop.cfg.clients <= loop.cfg.client_metrics
         self.writer = Writer()
+        reuse = loop.stage_reuse.reused if loop.stage_reuse else None
+        if reuse and not resumed:  # a stored stage (rayfl.stage_cache): its rounds, as if they had run here
+            for h in loop.history:
+                self._log_metrics({k: v for k, v in numeric(h, finite_only=False).items() if k != "step"},
+                                  h["step"] + 1)
+            mlflow.set_tags({"rayfl.stage_reused": reuse[0], "rayfl.stage_key": reuse[1]})
         if resume_file:
             os.makedirs(loop.checkpoint_dir, exist_ok=True)
             with open(resume_file, "w") as f:
@@ -201,9 +211,9 @@ class MlflowTracker(Callback):
                         for k, v in numeric(rec, finite_only=False).items():
                             if not k.startswith("n_") and k != "seconds":
                                 values[f"{CLIENT_PREFIX}{cid}/{k}"] = v
-            self._log_metrics(values, step)
+            self._log_metrics(values, step + 1)  # rounds from 1, as on the console; setup is step 0
             for name, arr in arrays.items():
-                self._log_array(f"{name}_{step:04d}.npy", arr, f"rounds/{name}")
+                self._log_array(f"{name}_{step + 1:04d}.npy", arr, f"rounds/{name}")
 
         self._submit(job)
 
@@ -217,6 +227,10 @@ class MlflowTracker(Callback):
                                "group": info.groups[c] if info.groups else None, **rec}
                               for c, rec in sorted(loop.last_eval.items())])
         history = pd.DataFrame(loop.history)
+        if "step" in history:
+            history.insert(0, "round", history["step"] + 1)  # from 1, as on the console and in the plots
+        cfg = loop.cfg
+        title = f"{cfg.algo} on {cfg.dataset} ({cfg.clients} clients, {cfg.partition}, seed {cfg.seed})"
         final = loop.server.final_model()
         final_vec = loop.runtime.get([final])[0] if final is not None else None
         vectors = loop.runtime.client_vectors()
@@ -232,10 +246,10 @@ class MlflowTracker(Callback):
             if vectors:  # personal weights only (FedAvg's clients have none)
                 self._log_file("clients.npz", lambda p: np.savez_compressed(
                     p, **{f"client_{c}": v for c, v in sorted(vectors.items())}), "models")
-            self._client.log_figure(self.run_id, accuracy_plot(hist), "plots/accuracy.png")
+            self._client.log_figure(self.run_id, accuracy_plot(hist, title), "plots/accuracy.png")
             for name, obj in artifacts.items():
                 self._log_object(name, obj, "algorithm")
-            self._log_metrics(final_metrics, hist[-1]["step"] if hist else 0)
+            self._log_metrics(final_metrics, hist[-1]["step"] + 1 if hist else 0)
 
         self._submit(job)
         self._close()

@@ -90,25 +90,20 @@ def test_trial_bundles_are_what_the_actors_ask():
     assert sweep.bundle_total(bundles)["CPU"] <= 1.0 and sweep.bundle_total(bundles)["GPU"] <= 0.5
 
 
-def test_stage1_key_ignores_only_stage2_knobs():
-    base = {"algo": "persfl", "dataset": "synthetic", "clients": 3, "params": {"lam_grid": (), "T_grid": ()}}
-    k = sweep.stage1_key({**base, "params": {**base["params"], "lam": 0.1, "T": 1}}, "persfl")
-    assert k == sweep.stage1_key({**base, "params": {**base["params"], "lam": 0.9, "T": 5}}, "persfl")
-    assert k != sweep.stage1_key({**base, "seed": 1, "params": {**base["params"], "lam": 0.1, "T": 1}}, "persfl")
-    assert k != sweep.stage1_key({**base, "val_frac": 0.3, "params": base["params"]}, "persfl")
+def test_trial_names_put_the_knobs_first():
+    name = sweep.trial_name({"lam": 0.5, "T": 5}, {"algo": "persfl", "dataset": "digits", "seed": 0})
+    assert name == "lam=0.5,T=5 · persfl-digits-s0"
+    assert sweep.trial_name({}, {"algo": "fedavg"}) == "fedavg-digits-s0"
 
 
-def test_stage1_lock_one_owner_and_dead_owner_taken_over(tmp_path):
-    cache = str(tmp_path / "k")
-    a, b = sweep.Stage1Lock(cache, poll=0.01), sweep.Stage1Lock(cache, poll=0.01)
-    assert a.acquire(lambda: False)
-    calls = []
-    assert not b.acquire(lambda: calls.append(1) or len(calls) > 2)  # waits until ready, never owns
-    with open(a.path, "w") as f:  # a lock left by a process that is gone
-        f.write(f"{os.uname().nodename} 999999999")
-    assert b.acquire(lambda: False)
-    b.release()
-    assert not os.path.exists(a.path)
+def test_sweep_counter_divides_by_all_trials_not_those_created_so_far():
+    from types import SimpleNamespace as T
+
+    from rayfl.sweep.progress import finished_count
+
+    created = [T(status="TERMINATED"), T(status="RUNNING"), T(status="RUNNING")]
+    assert finished_count(created, created[1], total=4) == (2, 4)  # Tune had created 3 of the 4 trials
+    assert finished_count(created, created[1], total=0) == (2, 3)
 
 
 # --------------------------------------------------------------------------------------------- sweeps
@@ -145,12 +140,17 @@ def test_grid_sweep_2x2_four_children_one_parent(ray_session, tmp_path, capsys):
     assert len(kids) == 4 and set(kids.status) == {"FINISHED"}
     assert {(float(a), int(b)) for a, b in zip(kids["params.lr"], kids["params.local_epochs"])} == \
         {(0.05, 1), (0.05, 2), (0.2, 1), (0.2, 2)}
+    assert set(kids["tags.rayfl.role"]) == {"trial"} and parents["tags.rayfl.role"][0] == "sweep"
+    assert {n.split(" · ")[0] for n in kids["tags.mlflow.runName"]} == \
+        {"lr=0.05,local_epochs=1", "lr=0.05,local_epochs=2", "lr=0.2,local_epochs=1", "lr=0.2,local_epochs=2"}
+    assert "(4/4 finished)" in out
     client = mlflow.MlflowClient(uri)
     for run_id in kids.run_id:
         assert len(client.get_metric_history(run_id, "val_acc_mean")) == 2  # one per round
     arts = {a.path for a in client.list_artifacts(parent, "results")} | {a.path for a in client.list_artifacts(parent, "plots")}
     assert "results/results.csv" in arts
-    assert {"plots/val_acc_mean_vs_lr.png", "plots/val_acc_mean_vs_local_epochs.png"} <= arts
+    assert {"plots/val_acc_mean_vs_lr.png", "plots/val_acc_mean_vs_local_epochs.png",
+            "plots/val_acc_mean_lr_x_local_epochs.png"} <= arts  # a heatmap for a two-knob grid
 
     # resources: every trial had its own placement group holding exactly a half of the 2 CPUs at most,
     # and with 2 at once on 2 CPUs the trials ran side by side (an actor outside its group would hang).
@@ -169,7 +169,9 @@ def test_grid_sweep_2x2_four_children_one_parent(ray_session, tmp_path, capsys):
 
 
 def test_persfl_reuse_gives_the_stage2_result_of_a_run_without_it(ray_session, tmp_path, capsys):
-    """Two (lam, T) trials share one stage 1; each equals a plain run of that (lam, T) that computes its own."""
+    """Two (lam, T) trials share one stage 1 through the stage cache; each equals a plain run of that (lam, T)
+    that computes its own. No extra run: the trial that reuses it shows stage 1's rounds as its own."""
+    import mlflow
     import pandas as pd
 
     from conftest import tiny
@@ -183,18 +185,19 @@ def test_persfl_reuse_gives_the_stage2_result_of_a_run_without_it(ray_session, t
                  "--max-concurrent", "2", "--storage-path", str(tmp_path / "tune"), "--name", "p", "--quiet"])
     out = capsys.readouterr().out
     assert code == 0, out
-    caches = glob.glob(str(tmp_path / "tune" / "p" / "stage1" / "*" / "persfl_stage1.npz"))
-    assert len(caches) == 1  # one stage 1 for both trials
-    progress = [pd.read_json(p, lines=True) for p in glob.glob(str(tmp_path / "tune" / "p" / "*" / "result.json"))]
-    assert len(progress) == 2 and all(int(p.iloc[-1].stage1_owner) == 0 for p in progress)  # computed up front
-    assert all(p.iloc[-1].stage1_from_cache == 1.0 and p.iloc[-1].total_rounds == 1 for p in progress)
-    import mlflow
-
-    mlflow.set_tracking_uri(uri)
+    entries = glob.glob(str(tmp_path / "tune" / "p" / "stages" / "*" / "checkpoint.*"))
+    assert len(entries) == 1  # one stage 1 for both trials
+    progress = [pd.read_json(p, lines=True).iloc[-1] for p in glob.glob(str(tmp_path / "tune" / "p" / "*" / "result.json"))]
+    assert sorted(int(p.rounds_run) for p in progress) == [1, 3]  # one computed stage 1 (2 rounds) + stage 2
+    assert all(p.total_rounds == 3 and p["round"] == 3 for p in progress)
     parent = mlflow.search_runs(mlflow.get_experiment_by_name("rayfl").experiment_id,
                                 filter_string="tags.`rayfl.kind` = 'sweep'").run_id[0]
     kids = _children(uri, parent)
-    assert sorted(kids["params.tune_role"]) == ["stage1", "trial", "trial"] and set(kids.status) == {"FINISHED"}
+    assert list(kids["params.tune_role"]) == ["trial", "trial"] and set(kids.status) == {"FINISHED"}
+    assert sorted(kids["tags.rayfl.stage_reused"].fillna("")) == ["", "fedavg"]
+    client = mlflow.MlflowClient(uri)
+    for run_id in kids.run_id:  # the reusing trial's curve starts at round 1 too
+        assert [m.step for m in client.get_metric_history(run_id, "val_acc_mean")] == [1, 2, 3]
     table = pd.read_csv(tmp_path / "tune" / "p" / "results.csv")
     for row in table.itertuples():
         cfg = tiny(algo="persfl", samples_per_client=40, params={"lam": row.lam, "T": row.T, "lam_grid": (), "T_grid": ()})

@@ -130,8 +130,8 @@ class FedFomoServer(Server):
         k = self.info.n_clients
         self.uploads: dict[int, object] = {}  # cid -> handle of its latest upload, never averaged
         self.P = np.eye(k)  # affinity, p_{i,j}: how much client i wants client j's model (spec §2.5)
-        self.W = np.zeros((k, k))  # last normalized weights w* each client used (row = client)
-        self.W_raw = np.zeros((k, k))  # last raw weights w each client computed
+        self.W = np.full((k, k), np.nan)  # last normalized weights w* each client used (row = client; NaN: not
+        self.W_raw = np.full((k, k), np.nan)  # downloaded) and the last raw weights w each client computed
 
     def stages(self):
         stages = [Stage("train", self.info.rounds)]
@@ -161,8 +161,8 @@ class FedFomoServer(Server):
         for c, up in ups.items():
             for j, wj in up["w"].items():
                 self.P[c, j] += wj  # p_i <- p_i + w, raw w before clipping (spec §2.5)
-            self.W_raw[c] = 0.0
-            self.W[c] = 0.0
+            self.W_raw[c] = np.nan  # NaN: not a candidate of this client's last update
+            self.W[c] = np.nan
             for j, wj in up["w"].items():
                 self.W_raw[c, j] = wj
             for j, wj in up["w_star"].items():

@@ -20,7 +20,6 @@ from rayfl.config import FIELDS, UserError, make_config, read_yaml
 from rayfl.sweep.placement import TRIAL_CPUS, _bundles_for, _pg_factory, bundle_total
 from rayfl.sweep.progress import _progress_callback
 from rayfl.sweep.space import Plan, Space, find_space_file, load_space, plan_sweep, validate_space
-from rayfl.sweep.stage1 import STAGE1_FREE, warm_stage1
 from rayfl.sweep.trial import run_trial
 
 SEARCHES = ("grid", "random", "optuna")
@@ -60,8 +59,9 @@ def add_tune_parser(subparsers, add_config_arguments) -> None:
     g.add_argument("--storage-path", metavar="DIR",
                    help="where Tune keeps the sweep (default: <out-dir>/tune); shared storage on multi-node clusters")
     g.add_argument("--resume", metavar="DIR", help="go on with an interrupted sweep (its directory)")
-    g.add_argument("--no-stage1-reuse", action="store_true",
-                   help="PersFL: recompute stage 1 in every trial instead of sharing it across (lam, T)")
+    g.add_argument("--no-stage-reuse", action="store_true",
+                   help="compute every stage in every trial (default: trials that agree up to a stage share it, "
+                        "e.g. PersFL's FedAvg stage across (lam, T); see --stage-cache)")
     g.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else a new local instance)")
     g.add_argument("--quiet", action="store_true", help="no per-round progress lines")
     p.set_defaults(handler=cmd_tune)
@@ -245,18 +245,15 @@ def _new_sweep(args) -> dict:
                         f"directory (or --out-dir)") from None
     uri = resolve_tracking_uri(base_cfg.tracking_uri)
     experiment_id = open_experiment(uri, base_cfg.experiment)
-    reuse = plan.algo in STAGE1_FREE and "stage1_cache" in plan.knobs and not args.no_stage1_reuse
-    stage1_root = None
-    if reuse:
-        stage1_root = plan.base["params"].get("stage1_cache") or os.path.join(sweep_dir, "stage1")
-        stage1_root = os.path.abspath(stage1_root)
+    stage_cache = "" if args.no_stage_reuse else os.path.abspath(os.path.expanduser(
+        base_cfg.stage_cache or os.path.join(sweep_dir, "stages")))
     return {"name": name, "storage": storage, "sweep_dir": sweep_dir, "algo": plan.algo, "base": plan.base,
             "space": plan.space.to_dict(), "space_path": os.path.abspath(space_path), "swept": plan.space.swept(),
             "knobs": plan.knobs, "metric": metric, "mode": mode, "search": search, "num_samples": num_samples,
             "n_trials": n_trials, "max_concurrent": args.max_concurrent, "scheduler": args.scheduler,
             "grace_period": args.grace_period or max(1, base_cfg.rounds // 4), "seed": base_cfg.seed,
             "tracking_uri": uri, "experiment": base_cfg.experiment,
-            "experiment_id": experiment_id, "stage1_root": stage1_root,
+            "experiment_id": experiment_id, "stage_cache": stage_cache,
             "parent_run_id": None}
 
 
@@ -307,13 +304,13 @@ def _run(meta: dict, args, resume: bool) -> int:
     client = _parent_run(meta)
     if not resume:
         parent = client.create_run(meta["experiment_id"], run_name=meta["name"],
-                                   tags={"rayfl.sweep": meta["name"], "rayfl.kind": "sweep"})
+                                   tags={"rayfl.sweep": meta["name"], "rayfl.kind": "sweep", "rayfl.role": "sweep"})
         meta["parent_run_id"] = parent.info.run_id
         params = {"algo": meta["algo"], "search": meta["search"], "scheduler": meta["scheduler"],
                   "metric": meta["metric"], "mode": meta["mode"], "num_samples": meta["num_samples"],
                   "n_trials": meta["n_trials"], "max_concurrent": meta["max_concurrent"],
                   "swept": ",".join(meta["swept"]), "space_file": meta["space_path"],
-                  "trial_bundles": json.dumps(base_bundles), "stage1_reuse": bool(meta["stage1_root"])}
+                  "trial_bundles": json.dumps(base_bundles), "stage_cache": meta["stage_cache"]}
         client.log_batch(meta["parent_run_id"], params=[Param(k, str(v)) for k, v in params.items()])
         client.log_text(meta["parent_run_id"], yaml.safe_dump(meta["space"], sort_keys=False), "space.yaml")
         client.log_text(meta["parent_run_id"], yaml.safe_dump(meta["base"], sort_keys=False), "base_config.yaml")
@@ -329,17 +326,15 @@ def _run(meta: dict, args, resume: bool) -> int:
     print(f"rayfl tune: sweep directory {meta['sweep_dir']} (resume with --resume {meta['sweep_dir']}); "
           f"MLflow parent run {meta['parent_run_id']}", flush=True)
 
-    ctx = {k: meta[k] for k in ("base", "name", "metric", "swept", "tracking_uri", "experiment_id",
-                                 "parent_run_id", "stage1_root", "sweep_dir")}
+    ctx = {k: meta.get(k) for k in ("base", "name", "metric", "swept", "tracking_uri", "experiment_id",
+                                 "parent_run_id", "stage_cache", "sweep_dir")}
     trainable = tune.with_resources(tune.with_parameters(run_trial, ctx=ctx),
                                     functools.partial(_pg_factory, base=meta["base"], share=share))
-    progress = _progress_callback(meta["metric"], meta["swept"], args.quiet)
+    progress = _progress_callback(meta["metric"], meta["swept"], args.quiet, meta["n_trials"])
     run_config = tune.RunConfig(name=meta["name"], storage_path=meta["storage"], verbose=0, callbacks=[progress],
                                 failure_config=tune.FailureConfig(max_failures=0))
     status = "FAILED"
     try:
-        if meta["stage1_root"]:
-            warm_stage1(meta, plan, args.quiet)
         if resume:
             # resume_errored, not restart_errored: a restarted trial would get a new trial id, hence a new
             # checkpoint directory (sweep_dir/trials/<id>), and start again from round 1.
@@ -417,7 +412,7 @@ def _finish(meta: dict, results, client) -> int:
     import pandas as pd
 
     from rayfl.cli import summary_table
-    from rayfl.plots import metric_vs_knob
+    from rayfl.plots import grid_heatmap, metric_vs_knob
 
     df = results_table(results, meta)
     meta["stopped_trials"] = list(df.trial[df.status == "STOPPED"]) if len(df) else []
@@ -432,6 +427,11 @@ def _finish(meta: dict, results, client) -> int:
                 if not all(isinstance(v, (int, float)) for v in sub[knob]):
                     sub = sub.assign(**{knob: sub[knob].map(str)})
                 client.log_figure(run_id, metric_vs_knob(sub, knob, metric), f"plots/{metric}_vs_{knob}.png")
+        numeric_knobs = [k for k in meta["swept"] if k in df and pd.api.types.is_numeric_dtype(df[k])]
+        on_grid = set(meta["swept"]) <= set(meta["space"]["grid"]) and meta["search"] == "grid"
+        if len(meta["swept"]) == len(numeric_knobs) == 2 and on_grid and df[metric].notna().any():
+            y, x = meta["swept"]  # the first knob down the rows (PersFL: λ rows, T columns)
+            client.log_figure(run_id, grid_heatmap(df, x, y, metric, meta["mode"]), f"plots/{metric}_{y}_x_{x}.png")
     errors = int(sum(1 for r in results if r.error))
     with pd.option_context("display.width", 200, "display.max_columns", 30):
         print("\nsweep results (" + ("best first" if metric in df else "no trial reported the metric") + "):")

@@ -11,7 +11,18 @@ import time
 
 from rayfl.config import FIELDS, make_config
 from rayfl.sweep.placement import bundle_total
-from rayfl.sweep.stage1 import Stage1Lock, stage1_key, stage1_ready
+
+
+def _show(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def trial_name(swept: dict, values: dict) -> str:
+    """Knobs first, so that the MLflow UI's cut-off column still tells trials apart:
+    ``lam=0.5,T=5 · persfl-digits-s0``."""
+    knobs = ",".join(f"{k}={_show(v)}" for k, v in swept.items())
+    what = f"{values['algo']}-{values.get('dataset', FIELDS['dataset'].default)}-s{values.get('seed', 0)}"
+    return f"{knobs} · {what}" if knobs else what
 
 
 # --------------------------------------------------------------------------------------------------
@@ -34,12 +45,8 @@ def run_trial(config: dict, ctx: dict) -> None:
             values[key] = value
         else:
             values.setdefault("params", {})[key] = value
-    algo = values["algo"]
-    lock = None
-    if ctx.get("stage1_root"):
-        cache = os.path.join(ctx["stage1_root"], stage1_key(values, algo))
-        values["params"]["stage1_cache"] = cache
-        lock = Stage1Lock(cache)
+    if ctx.get("stage_cache"):  # trials that agree up to a stage share it (rayfl.stage_cache)
+        values["stage_cache"] = ctx["stage_cache"]
     cfg = make_config(None, values)
     prepared = prepare(cfg)
 
@@ -50,40 +57,34 @@ def run_trial(config: dict, ctx: dict) -> None:
     resources = ActorResources(float(actor.get("CPU", 0.0)), float(actor.get("GPU", 0.0)))
     pin = lambda i: {"scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)}  # noqa: E731
     swept = {k: config[k] for k in ctx["swept"] if k in config}
-    label = " ".join(f"{k}={v}" for k, v in swept.items())
     tracking = {"tracking_uri": ctx["tracking_uri"], "experiment_id": ctx["experiment_id"],
-                "parent_run_id": ctx["parent_run_id"], "run_name": f"{ctx['name']}/{trial_id} {label}".strip(),
+                "parent_run_id": ctx["parent_run_id"], "run_name": trial_name(swept, values),
+                "tags": {"rayfl.role": "trial", "rayfl.sweep": ctx["name"], "rayfl.trial": trial_id},
                 "extra_params": {"tune_role": "trial", "tune_trial_id": trial_id, "tune_sweep": ctx["name"],
                                  "tune_swept": ",".join(ctx["swept"]), "tune_bundles": json.dumps(bundles)}}
     metric = ctx["metric"]
-    state = {"metric": None, "held": None}
+    state = {"metric": None, "held": None, "rounds_run": 0}
 
     def on_round(rec: dict) -> None:
+        state["rounds_run"] += 1
         m = numeric(rec["metrics"])
         if metric in m:
             state["metric"] = m[metric]
         elif state["metric"] is not None:  # a round without evaluation carries the last value forward
             m[metric] = state["metric"]
         result = {**m, "round": rec["step"] + 1, "total_rounds": rec["total"], "stage": rec["stage"],
-                  "evaluated": int("eval_seconds" in m)}
+                  "evaluated": int("eval_seconds" in m), "rounds_run": state["rounds_run"]}
         if rec["step"] + 1 >= rec["total"]:
             state["held"] = result  # the final report waits until MLflow is done (ASHA may stop us there)
             return
         tune.report(result)
 
-    owner = False
-    if lock is not None:
-        owner = lock.acquire(lambda: stage1_ready(lock.cache_dir))
     t0 = time.time()
-    try:
-        out = launch(prepared, tracking, checkpoint_dir=os.path.join(ctx["sweep_dir"], "trials", trial_id),
-                     on_round=on_round, resources=resources, driver_options=pin(1),
-                     actor_options=[pin(2 + i) for i in range(n_actors)])
-    finally:
-        if lock is not None:
-            lock.release()
+    out = launch(prepared, tracking, checkpoint_dir=os.path.join(ctx["sweep_dir"], "trials", trial_id),
+                 on_round=on_round, resources=resources, driver_options=pin(1),
+                 actor_options=[pin(2 + i) for i in range(n_actors)])
     final = state["held"] or {k: v for k, v in numeric(out["final"]).items()}
-    final.update({"mlflow_run_id": out["run_id"], "trial_seconds": time.time() - t0,
-                  "stage1_owner": int(owner), "pg_id": pg.id.hex(), "trial_start": t0, "trial_end": time.time(),
+    final.update({"mlflow_run_id": out["run_id"], "trial_seconds": time.time() - t0, "rounds_run": state["rounds_run"],
+                  "pg_id": pg.id.hex(), "trial_start": t0, "trial_end": time.time(),
                   "bundle_cpus": bundle_total(bundles).get("CPU", 0.0)})
     tune.report(final)
