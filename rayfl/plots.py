@@ -11,7 +11,7 @@ from matplotlib.colors import TwoSlopeNorm  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-MASK_COLOUR = "#d9d9d9"  # cells without a value (FedFomo: a model the client did not download)
+MASK_COLOUR = "#bdbdbd"  # cells without a value (FedFomo: a model the client did not download), hatched
 
 # What a client-by-client matrix holds, per (algorithm, artifact name): its title, its axes, whether its values
 # are signed (a diverging colour map centred at 0) and what a missing (NaN) cell means.
@@ -55,8 +55,10 @@ def heatmap(matrix, title: str, xlabel: str = "client j", ylabel: str = "client 
     step = max(1, int(np.ceil(len(ids) / 20)))  # at most ~20 labels per axis
     ax.set_xticks(range(0, m.shape[1], step), [str(i) for i in range(0, m.shape[1], step)])
     ax.set_yticks(range(0, m.shape[0], step), [str(ids[i]) for i in range(0, m.shape[0], step)])
+    for i, j in zip(*np.nonzero(np.isnan(m))):  # hatched too: never mistaken for a pale (near-0) value
+        ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, hatch="///", ec="0.55", lw=0))
     if missing and np.isnan(m).any():
-        ax.legend(handles=[Patch(facecolor=MASK_COLOUR, edgecolor="0.5", label=missing)],
+        ax.legend(handles=[Patch(facecolor=MASK_COLOUR, edgecolor="0.55", hatch="///", label=missing)],
                   loc="upper left", bbox_to_anchor=(0.0, -0.12), frameon=False)
     ax.set_title(_wrap(title), fontsize=10)
     ax.set_xlabel(xlabel)
@@ -80,7 +82,7 @@ def accuracy_plot(history: list[dict], title: str = ""):
     metric = "acc" if any("test_acc_mean" in h for h in history) else "loss"
     fig, ax = plt.subplots(figsize=(7, 4.2))
     styles = [("test", "mean", dict(color="C0", marker="o", lw=2)),
-              ("test", "bottom10_mean", dict(color="C1", marker="s", ls="--", ms=4)),
+              ("test", "bottom10_mean", dict(color="C1", marker="s", ls="--", ms=7, lw=4, alpha=0.45)),  # under
               ("test", "worst", dict(color="C3", marker="v", ls=":", ms=5)),
               ("val", "mean", dict(color="C2", marker="^", ls="-.", ms=4))]
     for split, stat, style in styles:

@@ -128,7 +128,8 @@ def test_stage1_opt_out_and_best_validation_selection():
         server.run_round(stage, rnd, list(range(10)), call)
     assert all(set(cids) <= set(server.opt_in) and len(cids) == 3 for _, cids in called)
     np.testing.assert_array_equal(server.selected(), np.full(3, 2.0))  # round 1's model: lowest val loss
-    assert server.best_round == 1 and [s.name for s in server.stages()] == ["fedavg", "specialist", "mixture"]
+    assert server.best_round == 1 and server.selection[-1]["selected_round"] == 2  # shown from 1
+    assert [s.name for s in server.stages()] == ["fedavg", "specialist", "mixture"]
 
 
 class Keep(Callback):

@@ -244,7 +244,7 @@ def test_job_on_multinode_cluster_spreads_gpu_client_actors(cluster):
     for key in ("test_acc_mean", "test_loss_mean"):
         history = client.get_metric_history(run.info.run_id, key)
         assert len(history) == ROUNDS, f"{key}: {len(history)} steps, expected {ROUNDS}"
-        assert sorted(m.step for m in history) == list(range(ROUNDS))
+        assert sorted(m.step for m in history) == list(range(1, ROUNDS + 1))
     assert any(k.startswith("final_") for k in run.data.metrics)
     first = min(m.timestamp for m in client.get_metric_history(run.info.run_id, "test_acc_mean")) / 1000
     print(f"timeline (s after submit): run start {run.info.start_time / 1000 - wall0:.1f}, "

@@ -1,5 +1,5 @@
 """PersFL (spec 004): the distillation loss against a hand computation, per-client teacher selection, the grid's
-selection on validation (never test), and the stage-1 cache giving the same stage 2 as a run without it."""
+selection on validation (never test); sharing stage 1 is tests/test_stage_cache.py."""
 
 from __future__ import annotations
 

@@ -41,7 +41,7 @@ def test_baseline_on_ray_learns_and_is_tracked(ray_session, mlflow_uri, algo):
     assert p["algo"] == algo and p["clients"] == "3" and p["rounds"] == "3" and p["val_frac"] == "0.2"
     assert p["model_resolved"] == "mlp-small" and p["n_actors"] == "2"
     history = client.get_metric_history(run.info.run_id, "test_acc_mean")
-    assert [m.step for m in history] == list(range(n_rounds))
+    assert [m.step for m in history] == list(range(1, n_rounds + 1))  # rounds from 1, as on the console
     assert len(client.get_metric_history(run.info.run_id, "client/2/test_acc")) == n_rounds
     for key in ("test_acc_weighted_mean", "test_acc_std", "test_acc_worst", "test_acc_bottom10_mean",
                 "test_loss_mean", "val_acc_mean", "final_test_acc_mean"):
@@ -91,13 +91,13 @@ def test_interrupted_run_keeps_its_rounds_and_resumes(ray_session, mlflow_uri, t
     run = client.search_runs([exp], "attributes.run_name = 'interrupted'")[0]
     assert run.info.status == "KILLED"
     kept = [m.step for m in client.get_metric_history(run.info.run_id, "test_acc_mean")]
-    assert kept[:2] == [0, 1] and len(kept) < 4
+    assert kept[:2] == [1, 2] and len(kept) < 4
 
     result = launch(prepare(cfg), tracking, checkpoint_dir=str(tmp_path))
     assert result["run_id"] == run.info.run_id
     assert client.get_run(run.info.run_id).info.status == "FINISHED"
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "test_acc_mean")]
-    assert sorted(set(steps)) == [0, 1, 2, 3]
+    assert sorted(set(steps)) == [1, 2, 3, 4]
     p = prepare(cfg)
     uninterrupted = Loop(p, LocalRuntime(p)).run().history
     assert [h["test_acc_mean"] for h in result["history"]] == [h["test_acc_mean"] for h in uninterrupted]

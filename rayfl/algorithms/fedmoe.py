@@ -206,8 +206,9 @@ class FedMoEServer(FedAvgServer):
             v = float(np.mean(losses)) if losses else float("nan")  # unweighted mean over clients
             if v != v or v < self.best_val:  # no validation data: keep the latest model
                 self.best_ref, self.best_val, self.best_round = self.global_ref, v, rnd
-            self.selection.append({"round": rnd, "val_loss": v, "selected_round": self.best_round})
-            metrics.update(selection_val_loss=v, selected_round=float(self.best_round))
+            # shown to users with rounds counted from 1, as on the console
+            self.selection.append({"round": rnd + 1, "val_loss": v, "selected_round": self.best_round + 1})
+            metrics.update(selection_val_loss=v, selected_round=float(self.best_round + 1))
         return metrics
 
     def eval_messages(self, stage, rnd, cids):
