@@ -80,6 +80,7 @@ class Lock:
     def acquire(self, ready) -> bool:
         """Wait until ``ready()`` (return False: nothing to compute) or the lock is ours (return True)."""
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        waited = False
         while True:
             if ready():
                 return False
@@ -92,6 +93,10 @@ class Lock:
                     except FileNotFoundError:
                         pass
                 else:
+                    if not waited:
+                        print(f"rayfl: waiting for another run to compute a stage this run shares ({self.path})",
+                              flush=True)
+                    waited = True
                     time.sleep(self.poll)
                 continue
             with os.fdopen(fd, "w") as f:
@@ -155,7 +160,7 @@ class StageReuse:
         return self
 
     def after_round(self, loop, step: int) -> None:
-        if step in self.ends and step >= loop.start_step:
+        if step in self.ends:
             name, key = self.ends[step]
             if not os.path.isfile(loop.checkpoint_path(self.entry(key))):
                 loop.save_checkpoint(step, self.entry(key))

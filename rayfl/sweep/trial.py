@@ -45,8 +45,7 @@ def run_trial(config: dict, ctx: dict) -> None:
             values[key] = value
         else:
             values.setdefault("params", {})[key] = value
-    if ctx.get("stage_cache"):  # trials that agree up to a stage share it (rayfl.stage_cache)
-        values["stage_cache"] = ctx["stage_cache"]
+    values["stage_cache"] = ctx.get("stage_cache") or ""  # trials that agree up to a stage share it ("": off)
     cfg = make_config(None, values)
     prepared = prepare(cfg)
 
