@@ -50,7 +50,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         space_file = os.path.join(tmp, "space.yaml")
         with open(space_file, "w") as f:
-            yaml.safe_dump({"fixed": space["fixed"], "grid": {"lam": list(lam), "T": list(T)}}, f)
+            yaml.safe_dump({"fixed": space["fixed"], "grid": {"lam": list(lam), "T": list(T)}}, f, sort_keys=False)
         common = ["--tracking-uri", f"sqlite:///{tmp}/mlflow.db", "--out-dir", os.path.join(tmp, "runs"), *args.extra]
         run = [sys.executable, "-m", "rayfl.cli", "run", "--algo", "persfl", *fixed, *common,
                "-p", "lam_grid=" + ",".join(map(str, lam)), "-p", "T_grid=" + ",".join(map(str, T))]

@@ -22,8 +22,8 @@ import time
 import numpy as np
 
 # Config fields that do not change what a run computes (or, for the data, are replaced by its digest).
-NOT_COMPUTED = ("run_name", "experiment", "tracking_uri", "out_dir", "checkpoint_every", "stage_cache",
-                "data_root", "download", "clients_per_actor", "cpus_per_actor", "gpus_per_actor")
+NOT_COMPUTED = ("run_name", "experiment", "tracking_uri", "out_dir", "checkpoint_every", "client_metrics",
+                "stage_cache", "data_root", "download", "clients_per_actor", "cpus_per_actor", "gpus_per_actor")
 
 
 def data_identity(dataset, federation) -> str:
