@@ -121,10 +121,12 @@ class MlflowTracker(Callback):
     def _log_metrics(self, metrics: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric
 
-        client, run_id, now = self._client, self.run_id, int(time.time() * 1000)
-        items = [Metric(k, v, now, step) for k, v in metrics.items()]
+        now = int(time.time() * 1000)
+        self._log_items([Metric(k, v, now, step) for k, v in metrics.items()])
+
+    def _log_items(self, items: list) -> None:
         for start in range(0, len(items), 1000):  # MLflow's limit per batch
-            client.log_batch(run_id, metrics=items[start:start + 1000], synchronous=True)
+            self._client.log_batch(self.run_id, metrics=items[start:start + 1000], synchronous=True)
 
     def _log_file(self, name: str, write: Callable[[str], None], artifact_path: str) -> None:
         path = os.path.join(self._tmp, name)
@@ -180,9 +182,12 @@ class MlflowTracker(Callback):
         self.writer = Writer()
         reuse = loop.stage_reuse.reused if loop.stage_reuse else None
         if reuse and not resumed:  # a stored stage (rayfl.stage_cache): its rounds, as if they had run here
-            for h in loop.history:
-                self._log_metrics({k: v for k, v in numeric(h, finite_only=False).items() if k != "step"},
-                                  h["step"] + 1)
+            from mlflow.entities import Metric
+
+            now = int(time.time() * 1000)
+            items = [Metric(k, v, now, h["step"] + 1) for h in loop.history
+                     for k, v in numeric(h, finite_only=False).items() if k != "step"]
+            self._log_items(items)
             mlflow.set_tags({"rayfl.stage_reused": reuse[0], "rayfl.stage_key": reuse[1]})
         if resume_file:
             os.makedirs(loop.checkpoint_dir, exist_ok=True)
