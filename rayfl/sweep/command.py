@@ -180,7 +180,7 @@ def cmd_tune(args) -> int:
 
 # `rayfl tune` flags that only a new sweep takes (a resumed one keeps what it was started with).
 SWEEP_FLAGS = ("space", "num_samples", "max_concurrent", "grace_period", "metric", "mode", "name", "storage_path",
-               "no_stage1_reuse")
+               "no_stage_reuse")
 
 
 def _load_meta(sweep_dir: str) -> dict:
