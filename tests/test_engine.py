@@ -91,7 +91,7 @@ def test_background_writer_keeps_every_value_when_the_run_fails(tmp_path):
     client = MlflowClient(uri)
     run = client.get_run(tracker.run_id)
     assert run.info.status == "FAILED"
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "test_acc_mean")] == [0, 1]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "test_acc_mean")] == [1, 2]  # rounds
     assert len(client.get_metric_history(run.info.run_id, "client/3/test_acc")) == 2
     tables = {a.path for a in client.list_artifacts(run.info.run_id, "results/clients")}
     assert tables == {"results/clients/round_0001.csv", "results/clients/round_0002.csv"}
