@@ -125,3 +125,38 @@ def test_weights_concentrate_within_label_groups():
     first, last = loop.history[0]["w_same_group_mean"], loop.history[-1]["w_same_group_mean"]
     assert first < 0.55 < last, (first, last)  # ~1/2 at the start (uniform), then mass moves into the group
     assert loop.final["test_acc_weighted_mean"] > 0.9
+
+
+def test_gradients_use_the_new_posterior_and_scale_the_own_term():
+    """Spec P7: the E-step first updates L̂ with the batch losses (β > 0), then weights every gradient, the
+    owner's own term included, by the NEW w_ij. Every client has a non-zero gradient on its own data."""
+    data = {0: ([1.0, 2.0], [2.0, 2.0]), 1: ([1.0], [3.0]), 2: ([2.0], [0.0])}  # n = 2, 1, 1; n̄ = 4/3
+    W = np.array([[0.5, 0.3, 0.2], [0.6, 0.3, 0.1], [0.1, 0.2, 0.7]])
+    beta, phi = 0.5, np.array([1.0, 0.0])  # every φ = (a=1, b=0): h(x) = x
+    logic = FedericoClient(Params(M=2, epsilon=0.0, beta=beta))
+    clients = {}
+    for i, (x, y) in data.items():
+        c = _client(i, x, y)
+        logic.init_client(c)
+        c.load(phi.astype(np.float32))
+        c.state.update(L=-np.log(W[i]), w=W[i], K=3, scale=c.n() / (4 / 3))
+        clients[i] = c
+    ups = {i: logic.step_estep(c, {}, {"peers": {j: clients[j].vector() for j in range(3) if j != i}})
+           for i, c in clients.items()}
+
+    def mse_and_grad(x, y):  # of the mean squared error of h(x) = a x + b at (1, 0), by hand
+        x, y = np.array(x), np.array(y)
+        r = x - y
+        return float(np.mean(r ** 2)), np.array([np.mean(2 * r * x), np.mean(2 * r)])
+
+    new_w = {}
+    for i, (x, y) in data.items():
+        loss, _ = mse_and_grad(x, y)  # identical models: the same loss for every owner j
+        L = (1 - beta) * -np.log(W[i]) + beta * loss
+        new_w[i] = np.exp(-L) / np.exp(-L).sum()
+        assert ups[i]["w"] == pytest.approx(new_w[i])
+    scale = {0: 1.5, 1: 0.75, 2: 0.75}
+    G = sum(new_w[i][0] * scale[i] * mse_and_grad(*data[i])[1] for i in range(3))  # column 0, own term included
+    assert ups[1]["grads"][0] == pytest.approx(new_w[1][0] * 0.75 * mse_and_grad(*data[1])[1])
+    logic.step_mstep(clients[0], {}, {"grads": [ups[1]["grads"][0], ups[2]["grads"][0]]})
+    assert clients[0].vector() == pytest.approx(phi - G)

@@ -193,3 +193,38 @@ def test_p_favours_same_group_clients_on_latent_groups():
     for i in range(len(groups)):  # each client's row too
         assert P[i, same[i] & off[i]].mean() > P[i, ~same[i]].mean()
     assert loop.history[-1]["stage"] == "update" and loop.final["test_acc_mean"] > 0.8
+
+
+# ------------------------------------------------------------------------------------------- departures
+
+def test_final_update_round_does_not_train():
+    """The extra update after the last training round only weighs downloads: no training, no new upload."""
+    srv = make_server(M=2, epsilon=0.0)
+    srv.uploads = {c: np.full(3, c, np.float32) for c in range(4)}
+    sent = {}
+
+    def call(step, messages):
+        sent.update(messages)
+        return {c: {"w": {}, "w_star": {}, "kept_base": True,
+                    **({"weights": np.full(3, 10 + c, np.float32), "train_loss": 1.0, "n": 10} if m["train"] else {})}
+                for c, m in messages.items()}
+
+    assert [s.name for s in srv.stages()] == ["train", "update"]
+    metrics = srv.run_round(srv.stages()[1], 3, [0, 1, 2, 3], call)
+    assert sent and all(m["train"] is False for m in sent.values())
+    assert "train_loss" not in metrics
+    for c in range(4):
+        np.testing.assert_array_equal(srv.uploads[c], np.full(3, c, np.float32))
+    srv.run_round(srv.stages()[0], 2, [0], call)
+    assert sent[0]["train"] is True
+    assert [s.name for s in make_server(final_update=False).stages()] == ["train"]
+
+
+def test_learning_rate_decays_per_round():
+    """Paper A.6: lr·0.99^r; checked with a decay of 0.5 at round 3 against the lr local training receives."""
+    client, logic = tiny_client(), FedFomoClient(FedFomoParams(lr_decay=0.5))
+    seen = []
+    fit = client.fit
+    client.fit = lambda **kw: seen.append(kw.get("lr")) or fit(**kw)
+    logic.step_fomo(client, {"train": True, "round": 3}, {})
+    assert seen == [pytest.approx(0.1 * 0.5 ** 3)]

@@ -162,3 +162,23 @@ def test_three_stages_end_to_end_with_global_test_set():
         assert rec["test_acc"] == pytest.approx(final[c]["finetuned_test_acc"])
     assert len(loop.server.opt_in) == 2
     assert "test_acc_worst" in loop.final
+
+
+def test_stage3_specialist_starts_from_the_stage2_specialist(monkeypatch):
+    """Eq. 7: the mixture's specialist continues from stage 2's fine-tuned model, not from the global model."""
+    from rayfl.algorithms import fedmoe
+    from rayfl.algorithms.fedmoe import FedMoEClient
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(30, 4, generator=g)
+    y = (x[:, 0] > 0).long()
+    splits = {"train": (x[:10], y[:10]), "val": (x[10:20], y[10:20]), "test": (x[20:], y[20:])}
+    make = lambda: nn.Sequential(nn.Flatten(), nn.Linear(4, 2))  # noqa: E731
+    client = Client(0, splits, make, None, TrainSettings("classification", 1, 0.1, 8), 0)
+    glob = np.zeros(10, np.float32)
+    tuned = np.arange(10, dtype=np.float32) / 10
+    client.state["finetuned"] = tuned
+    monkeypatch.setattr(fedmoe, "fit_early_stopping", lambda *a, **k: {"best_epoch": 0, "epochs": 0,
+                                                                        "best_val_loss": 0.0})
+    FedMoEClient(FedMoEParams()).step_mixture(client, {}, {"global": glob})  # no training: the start is kept
+    np.testing.assert_array_equal(client.state["specialist"], tuned)

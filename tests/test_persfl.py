@@ -204,3 +204,15 @@ def test_cache_from_another_config_is_refused(tmp_path):
 def test_final_teacher_ablation_runs():
     loop = run(teacher="final", lam_grid=(0.5,), T_grid=(2.0,))
     assert loop.history[-1]["stage"] == "distill" and loop.final["test_acc_mean"] > 0.3
+
+
+def test_final_fedavg_model_is_a_teacher_candidate():
+    """The final aggregate, checked at the start of stage 2, wins when its validation loss is the lowest."""
+    logic = PersFLClient(PersFLParams())
+    c = ScriptedClient(0, [2.0, 1.0, 0.5])
+    logic.init_client(c)
+    logic.track(c, np.array([0, 0.0], np.float32), 0)
+    logic.track(c, np.array([1, 0.0], np.float32), 1)
+    up = logic.step_select_teacher(c, {"round": 2}, {"global": np.array([2, 0.0], np.float32)})
+    assert (up["teacher_round"], up["teacher_loss"]) == (2, 0.5)
+    np.testing.assert_array_equal(c.state["teacher"], [2.0, 0.0])
