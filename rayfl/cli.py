@@ -27,6 +27,8 @@ GROUPS = {
         "classes_per_client": "classes per client (pathological)",
         "alpha": "Dirichlet concentration (dirichlet)",
         "groups": "number of latent / label / rotation / permutation groups",
+        "group_assign": "clients to groups: blocks | random | auto (label-groups random, others blocks)",
+        "label_shift": "Dirichlet alpha of a label shift on top of rotation / permutation groups (0: none)",
         "majority": "majority-class fraction p (majority)",
         "sizes": "client dataset sizes: equal | lognormal",
         "size_sigma": "sigma of the log-normal sizes",
