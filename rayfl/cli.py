@@ -182,12 +182,12 @@ def format_round(rec: dict) -> str:
 
 
 def summary_table(final: dict) -> str:
-    rows = []
-    for metric in ("test_acc", "val_acc", "test_loss"):
-        stats = [final.get(f"{metric}_{s}") for s in ("mean", "weighted_mean", "std", "worst", "bottom10_mean")]
-        if stats[0] is not None:
-            rows.append(f"{metric:10s}" + "".join(f"{v:>12.4f}" for v in stats))
-    head = f"{'':10s}" + "".join(f"{h:>12s}" for h in ("mean", "weighted", "std", "worst", "bottom10%"))
+    extra = sorted(k[:-5] for k in final if k.endswith("_acc_mean") and k[:-5] not in ("test_acc", "val_acc"))
+    metrics = [m for m in ("test_acc", "val_acc", "test_loss", *extra) if f"{m}_mean" in final]  # FedMoE's too
+    width = max([10, *(len(m) + 2 for m in metrics)])
+    stats = ("mean", "weighted_mean", "std", "worst", "bottom10_mean")
+    rows = [f"{m:{width}s}" + "".join(f"{final.get(f'{m}_{s}', float('nan')):>12.4f}" for s in stats) for m in metrics]
+    head = f"{'':{width}s}" + "".join(f"{h:>12s}" for h in ("mean", "weighted", "std", "worst", "bottom10%"))
     return "\n".join([head, *rows])
 
 

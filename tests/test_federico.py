@@ -113,7 +113,8 @@ def test_weights_concentrate_within_label_groups():
 
     cfg = make_config(None, {"algo": "federico", "dataset": "digits", "partition": "label-groups", "groups": 2,
                              "clients": 6, "rounds": 40, "optimizer": "adam", "lr": 0.01, "eval_every": 40,
-                             "val_frac": 0.0, "seed": 0, "params": {"M": 2}})
+                             "val_frac": 0.0, "seed": 0, "group_assign": "blocks",
+                             "params": {"M": 2, "local_steps": 1}})
     prepared = prepare(cfg)
     loop = Loop(prepared, LocalRuntime(prepared)).run()
     W, g = loop.server.W, np.asarray(prepared.info.groups)
@@ -160,3 +161,39 @@ def test_gradients_use_the_new_posterior_and_scale_the_own_term():
     assert ups[1]["grads"][0] == pytest.approx(new_w[1][0] * 0.75 * mse_and_grad(*data[1])[1])
     logic.step_mstep(clients[0], {}, {"grads": [ups[1]["grads"][0], ups[2]["grads"][0]]})
     assert clients[0].vector() == pytest.approx(phi - G)
+
+
+def test_a_round_makes_local_steps_iterations_and_defaults_to_the_baselines_steps():
+    """local_steps E/M iterations per round; 0 = local_epochs x ceil(n_i / batch) averaged over clients."""
+    from rayfl.algorithms.base import RunInfo, Stage
+    from rayfl.algorithms.federico import FedericoServer
+
+    def server(steps):
+        info = RunInfo(n_clients=2, rounds=1, participation=1.0, seed=0, n_train=[40, 80])
+        return FedericoServer(Params(M=1, local_steps=steps), info, put=lambda v: v, get=list,
+                              rng=np.random.default_rng(0), initial=np.zeros(2, np.float32))
+
+    calls = []
+
+    def call(step, msgs):
+        calls.append(step)
+        if step == "share":
+            return {i: {"model": np.zeros(2, np.float32)} for i in msgs}
+        if step == "init":
+            return {i: {"w": np.full(2, 0.5), "next": [1 - i], "steps": [2, 4][i]} for i in msgs}
+        if step == "estep":
+            return {i: {"w": np.full(2, 0.5), "next": [1 - i], "grads": {}, "loss": 1.0, "n": 40} for i in msgs}
+        return {i: {"model": np.zeros(2, np.float32)} for i in msgs}
+
+    for steps, expected in ((3, 3), (0, 3)):  # 0: mean of (2, 4) steps
+        calls.clear()
+        srv = server(steps)
+        assert srv.setup(call)["local_steps"] == expected
+        srv.run_round(Stage("train", 1), 0, [0, 1], call)
+        assert calls[2:] == ["estep", "mstep"] * expected
+    c = _client(0, [1.0] * 70, [0.0] * 70)  # 70 samples, batch 100, 1 epoch: 1 step
+    logic = FedericoClient(Params(M=0))
+    logic.init_client(c)
+    assert logic.step_init(c, {"K": 1, "n_mean": 70.0}, {})["steps"] == 1
+    with pytest.raises(ValueError, match="local_steps=-1"):
+        Params(local_steps=-1).check(4)

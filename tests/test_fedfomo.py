@@ -182,7 +182,7 @@ def test_client_trains_after_update_and_records_its_base():
 
 def test_p_favours_same_group_clients_on_latent_groups():
     cfg = make_config(None, {"algo": "fedfomo", "dataset": "synthetic", "partition": "label-groups", "groups": 2,
-                             "clients": 6, "rounds": 5, "lr": 0.1, "params": {"M": 3}})
+                             "group_assign": "blocks", "clients": 6, "rounds": 5, "lr": 0.1, "params": {"M": 3}})
     p = prepare(cfg)
     loop = Loop(p, LocalRuntime(p)).run()
     groups = np.array(p.info.groups)

@@ -162,6 +162,14 @@ def test_three_stages_end_to_end_with_global_test_set():
         assert rec["test_acc"] == pytest.approx(final[c]["finetuned_test_acc"])
     assert len(loop.server.opt_in) == 2
     assert "test_acc_worst" in loop.final
+    # Table 1's columns are summary metrics of the final round (rounds.csv, MLflow, the closing table)
+    for col in ("global", "fedavg_test", "fedavg_global", "finetuned_test", "finetuned_global"):
+        assert loop.final[f"{col}_acc_mean"] == pytest.approx(np.mean([r[f"{col}_acc"] for r in final.values()]))
+        assert loop.final[f"{col}_acc_worst"] == pytest.approx(min(r[f"{col}_acc"] for r in final.values()))
+    from rayfl.cli import summary_table
+
+    table = summary_table(loop.final)
+    assert "finetuned_global_acc" in table and "fedavg_test_acc" in table
 
 
 def test_stage3_specialist_starts_from_the_stage2_specialist(monkeypatch):
