@@ -1,4 +1,4 @@
-"""The ``rayfl`` command: ``run`` one experiment, ``tune`` a sweep, ``algos`` to list what there is.
+"""The ``rayfl`` command: ``run`` one experiment, ``tune`` a sweep, ``compare`` algorithms x seeds, ``algos``.
 
 User mistakes end in one line on stderr and exit status 2, before any actor starts.
 """
@@ -140,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
             raise
     else:
         add_tune_parser(sub, add_config_arguments)
+    from rayfl.compare.command import add_compare_parser
+
+    add_compare_parser(sub, add_config_arguments)
     return parser
 
 
