@@ -45,6 +45,8 @@ def test_eps_greedy_counts_under_a_fixed_seed():
 
 def test_params_check():
     Params().check(8)
+    Params(epsilon=0.0, M=0, beta=0.0).check(8)  # boundaries allowed: greedy, local only, no EMA update
+    Params(epsilon=1.0, M=7).check(8)
     for bad, msg in (({"M": 8}, "M=8"), ({"epsilon": 1.5}, "epsilon=1.5"), ({"beta": 1.0}, "beta=1.0"),
                      ({"init_losses": "zero"}, "init_losses")):
         with pytest.raises(ValueError, match=msg):
@@ -197,3 +199,9 @@ def test_a_round_makes_local_steps_iterations_and_defaults_to_the_baselines_step
     assert logic.step_init(c, {"K": 1, "n_mean": 70.0}, {})["steps"] == 1
     with pytest.raises(ValueError, match="local_steps=-1"):
         Params(local_steps=-1).check(4)
+
+
+def test_paper_defaults():
+    """Spec 002: ε = 0.3, M = 3, β = 0.6 on the new loss; the mean loss and a baseline's steps per round."""
+    p = Params()
+    assert (p.epsilon, p.M, p.beta, p.init_losses, p.loss_sum, p.local_steps) == (0.3, 3, 0.6, "all", False, 0)

@@ -122,6 +122,10 @@ def test_p_update_uses_raw_w_and_stores_uploads():
         expected[j] += -0.5 if j == 3 else 0.3  # raw w, negative too
     np.testing.assert_allclose(srv.P[0], expected)
     assert srv.W[0, 0] == 0.4 and srv.W[0, 3] == 0.0
+    srv.W[1] = 7.0  # the last round's row is replaced, not added to: models not downloaded now get 0
+    srv.run_round(Stage("train", 3), 2, [1], call)
+    assert srv.W[1, 1] == 0.4 and sorted(np.flatnonzero(srv.W[1]).tolist()) == sorted(
+        [1] + [j for j in sent[1]["models"]["peers"] if j != 3])
     np.testing.assert_array_equal(srv.uploads[0], np.full(3, 10.0))  # replaced, never averaged
     np.testing.assert_array_equal(srv.uploads[2], np.full(3, 2.0))  # non-participant: kept
     assert metrics["epsilon"] == 0.0 and metrics["train_loss"] == 1.0
@@ -131,6 +135,8 @@ def test_p_update_uses_raw_w_and_stores_uploads():
 
 def test_params_check():
     FedFomoParams(M=5).check(5)
+    FedFomoParams(M=1, epsilon=0.0, lr_decay=1.0).check(5)  # boundaries allowed: no exploration, no decay
+    FedFomoParams(epsilon=1.0, epsilon_decay=0.0).check(5)
     for bad in (dict(M=6), dict(M=0), dict(epsilon=1.5), dict(epsilon_decay=-0.1), dict(distance="cos")):
         with pytest.raises(ValueError, match=next(iter(bad))):
             FedFomoParams(**bad).check(5)
@@ -162,7 +168,7 @@ def test_client_step_weighs_against_base_and_keeps_base_when_nothing_helps():
     d = np.linalg.norm(good)
     assert up["w"][1] == pytest.approx((lb - lg) / d) and up["w"][1] > 0
     assert up["w"][2] == pytest.approx((lb - lbad) / d) and up["w"][0] == pytest.approx((lb - lbad) / d)
-    assert up["w_star"] == {1: 1.0, 2: 0.0, 0: 0.0}
+    assert up["w_star"] == {1: 1.0, 2: 0.0, 0: 0.0} and not up["kept_base"]
     np.testing.assert_allclose(client.vector(), good, atol=1e-6)  # base + 1.0·(good - base)
     client.load(bad)
     up = logic.step_fomo(client, {"train": False}, {"peers": {2: bad}})
@@ -228,3 +234,10 @@ def test_learning_rate_decays_per_round():
     client.fit = lambda **kw: seen.append(kw.get("lr")) or fit(**kw)
     logic.step_fomo(client, {"train": True, "round": 3}, {})
     assert seen == [pytest.approx(0.1 * 0.5 ** 3)]
+
+
+def test_paper_defaults():
+    """Paper A.6 / spec 000: 5 models, ε = 0.3 decaying by 0.05 a round, lr decay 0.99, the code's final update."""
+    p = FedFomoParams()
+    assert (p.M, p.epsilon, p.epsilon_decay, p.distance, p.lr_decay, p.final_update) == (5, 0.3, 0.05, "l2", 0.99,
+                                                                                       True)

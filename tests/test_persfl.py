@@ -216,3 +216,26 @@ def test_final_fedavg_model_is_a_teacher_candidate():
     up = logic.step_select_teacher(c, {"round": 2}, {"global": np.array([2, 0.0], np.float32)})
     assert (up["teacher_round"], up["teacher_loss"]) == (2, 0.5)
     np.testing.assert_array_equal(c.state["teacher"], [2.0, 0.0])
+
+
+def test_paper_defaults():
+    """Spec 004 §2.2: the per-client grid inferred from Table 5; KL soft loss; each client's best round."""
+    p = PersFLParams()
+    assert p.lam_grid == (0.0, 0.25, 0.5, 0.75, 1.0)
+    assert p.T_grid == (1.0, 5.0, 9.0, 13.0, 17.0, 21.0, 25.0)
+    assert (p.lam, p.T, p.distill_epochs, p.variant, p.teacher, p.stage1_cache) == (0.5, 1.0, 0, "sgd", "best", "")
+
+
+def test_teacher_logits_cover_clients_larger_than_one_chunk():
+    """The teacher's logits are computed in chunks of 1024 samples: a larger client gets all of them."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1100, 2, generator=g)
+    y = (x[:, 0] > 0).long()
+    splits = {"train": (x[:1050], y[:1050]), "val": (x[1050:], y[1050:]), "test": (x[1050:], y[1050:])}
+    teacher = np.array([0.0, 0.0, 1.0, 0.0, 0.0, 0.0], np.float32)
+    c = Client(0, splits, lambda: torch.nn.Linear(2, 2), teacher, TrainSettings("classification", 1, 0.1, 256), 0)
+    logic = PersFLClient(PersFLParams(lam_grid=(1.0,), T_grid=(1.0,)))
+    logic.init_client(c)
+    c.state.update(teacher=teacher, teacher_round=1, teacher_loss=0.5)
+    up = logic.step_distill(c, {"seed": 0}, {})
+    assert up["lam"] == 1.0 and up["n"] == 1050

@@ -160,3 +160,9 @@ def test_server_round_aggregates_with_the_rows_of_w():
     for i in range(3):
         expected = sum(w[i, j] * np.array(thetas[j]) for j in range(3))
         np.testing.assert_allclose(srv.stream_refs[srv.labels[i]], expected, rtol=1e-6)
+
+
+def test_defaults():
+    """k = m streams (full personalization) and n_k = the run's batch size unless set."""
+    p = UserCentricParams()
+    assert (p.streams, p.sigma_batch) == (0, 0)
