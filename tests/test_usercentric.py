@@ -92,6 +92,10 @@ def test_gradient_stats_eq7():
     # K = floor(5 / 2) = 2 batches of n_k = 2; the fifth sample is dropped from (7) only
     expected = np.mean([float((grad(x[i:i + 2], y[i:i + 2]) - full).pow(2).sum()) for i in (0, 2)])
     assert sigma2 == pytest.approx(expected, rel=1e-6)
+    _, two = gradient_stats(model, x[:2], y[:2], loss, batch=32)  # two samples: n_k halves to 1, K = 2
+    pair = grad(x[:2], y[:2])
+    expected = np.mean([float((grad(x[i:i + 1], y[i:i + 1]) - pair).pow(2).sum()) for i in (0, 1)])
+    assert two == pytest.approx(expected, rel=1e-6) and two > 0
 
 
 def test_params_check():
@@ -133,6 +137,7 @@ def test_kmeans_with_true_k_recovers_groups(partition, groups):
     assert len(set(labels)) == groups
     assert loop.setup_metrics["streams_ari_groups"] == 1.0
     assert loop.setup_metrics["silhouette_best_k"] == groups
+    assert sorted(loop.server.silhouette) == list(range(2, 8))  # k = 2 .. m - 1 with m = 8 users
     w = loop.server.w
     same = truth[:, None] == truth[None, :]
     assert w[same].mean() > w[~same].mean()  # more weight on same-group users
