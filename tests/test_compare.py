@@ -90,14 +90,16 @@ def test_cli_errors_are_one_line(capsys):
     assert err.startswith("rayfl: error: algo='nope': unknown") and err.count("\n") == 1
 
 
-def test_two_algorithms_two_seeds_on_ray(ray_session, mlflow_uri, tmp_path):
+TINY = dict(dataset="synthetic", partition="iid", clients=3, rounds=2, samples_per_client=60, lr=0.1, batch_size=16)
+
+
+def test_two_algorithms_two_seeds(mlflow_uri, tmp_path):
+    """In process (no Ray): the parent run, its 4 children, the table and chart artifacts."""
     from mlflow.tracking import MlflowClient
 
     from rayfl.compare import compare
 
-    res = compare(["local", "fedavg"], [0, 1], dataset="synthetic", partition="iid", clients=3, rounds=2,
-                  samples_per_client=60, lr=0.1, batch_size=16, tracking_uri=mlflow_uri, experiment="cmp",
-                  max_concurrent=2)
+    res = compare(["local", "fedavg"], [0, 1], runtime="local", tracking_uri=mlflow_uri, experiment="cmp", **TINY)
     client = MlflowClient(mlflow_uri)
     parent = client.get_run(res.run_id)
     assert parent.info.status == "FINISHED" and parent.data.params["compare_algos"] == "local,fedavg"
@@ -115,3 +117,19 @@ def test_two_algorithms_two_seeds_on_ray(ray_session, mlflow_uri, tmp_path):
     table = pd.read_csv(client.download_artifacts(res.run_id, "compare/table.csv", str(tmp_path)))
     assert table["test_acc_mean"].tolist() == pytest.approx(res.table["test_acc_mean"].tolist())
     assert parent.data.metrics["fedavg/test_acc_mean"] == pytest.approx(res.table.loc[1, "test_acc_mean"])
+
+
+def test_concurrent_launches_on_ray(ray_session, mlflow_uri):
+    """The Ray path: two experiments at once, each a child run of the parent, same numbers as in process."""
+    from mlflow.tracking import MlflowClient
+
+    from rayfl.compare import compare
+
+    kw = dict(tracking_uri=mlflow_uri, experiment="cmp-ray", clients_per_actor=3, **TINY)
+    res = compare(["fedavg"], [0, 1], max_concurrent=2, **kw)
+    client = MlflowClient(mlflow_uri)
+    children = client.search_runs([client.get_run(res.run_id).info.experiment_id],
+                                  f"tags.mlflow.parentRunId = '{res.run_id}'")
+    assert len(children) == 2 and all(c.info.status == "FINISHED" for c in children)
+    local = compare(["fedavg"], [0, 1], runtime="local", **kw)
+    assert res.runs["test_acc_mean"].tolist() == pytest.approx(local.runs["test_acc_mean"].tolist())
