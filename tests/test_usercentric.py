@@ -96,6 +96,7 @@ def test_gradient_stats_eq7():
     pair = grad(x[:2], y[:2])
     expected = np.mean([float((grad(x[i:i + 1], y[i:i + 1]) - pair).pow(2).sum()) for i in (0, 1)])
     assert two == pytest.approx(expected, rel=1e-6) and two > 0
+    assert gradient_stats(model, x[:1], y[:1], loss, batch=32)[1] == 0.0  # one sample: no spread (local only)
 
 
 def test_params_check():
