@@ -75,7 +75,8 @@ def markdown(table: pd.DataFrame) -> str:
 
 
 def bar_chart(table: pd.DataFrame, title: str = ""):
-    """Bars of the headline columns per algorithm, error bars = std over seeds."""
+    """Bars of the headline columns per algorithm, error bars = std over seeds; the paper's values (where a
+    preset has them) as black markers on their bars."""
     from rayfl.plots import plt
 
     cols = [c for c in (*CLASSIFICATION, *REGRESSION) if c in table]
@@ -86,8 +87,12 @@ def bar_chart(table: pd.DataFrame, title: str = ""):
     scale = 100.0 if percent else 1.0
     for k, c in enumerate(cols):
         std = table[f"{c}_std"].fillna(0.0).to_numpy() * scale
-        ax.bar(x + (k - (len(cols) - 1) / 2) * width, table[c].to_numpy() * scale, width, yerr=std, capsize=3,
+        pos = x + (k - (len(cols) - 1) / 2) * width
+        ax.bar(pos, table[c].to_numpy() * scale, width, yerr=std, capsize=3,
                label=c.replace("test_", "").replace("_", " "))
+        if f"paper {c}" in table:
+            ax.scatter(pos, table[f"paper {c}"], marker="_", s=300, color="black", zorder=3,
+                       label="paper" if not any(t.get_label() == "paper" for t in ax.collections) else None)
     ax.set_xticks(x)
     ax.set_xticklabels(table["algo"], rotation=15, ha="right")
     ax.set_ylabel("test accuracy (%)" if percent else "test loss")
