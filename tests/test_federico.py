@@ -205,3 +205,20 @@ def test_paper_defaults():
     """Spec 002: ε = 0.3, M = 3, β = 0.6 on the new loss; the mean loss and a baseline's steps per round."""
     p = Params()
     assert (p.epsilon, p.M, p.beta, p.init_losses, p.loss_sum, p.local_steps) == (0.3, 3, 0.6, "all", False, 0)
+
+
+def test_cousage_band_on_ordered_intervals():
+    """Co-usage (W Wᵀ)_ik of adjacent sine intervals against far ones, from a hand-made W."""
+    from rayfl.algorithms.base import RunInfo
+    from rayfl.algorithms.federico import FedericoServer
+
+    info = RunInfo(n_clients=3, rounds=1, participation=1.0, seed=0, n_train=[5] * 3, task="regression",
+                   groups=[0, 1, 2])
+    srv = FedericoServer(Params(M=1), info, put=lambda v: v, get=list, rng=np.random.default_rng(0),
+                         initial=np.zeros(2, np.float32))
+    srv.W = np.array([[0.5, 0.5, 0.0], [0.0, 0.5, 0.5], [0.0, 0.0, 1.0]])
+    C = srv.W @ srv.W.T  # [[.5, .25, 0], [.25, .5, .5], [0, .5, 1]]
+    m = srv.weight_metrics()
+    assert m["cousage_neighbour_mean"] == pytest.approx((0.25 + 0.5) / 2)  # pairs (0,1), (1,2), both ways
+    assert m["cousage_far_mean"] == pytest.approx(0.0) and C[0, 2] == 0.0
+    assert m["w_self_mean"] == pytest.approx((0.5 + 0.5 + 1.0) / 3)

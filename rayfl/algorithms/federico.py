@@ -191,7 +191,9 @@ class FedericoServer(Server):
         """Mean self-weight w_ii and, where the partition has groups, two views of "collaborating within the
         group": the weight on same-group OWNERS, and co-usage (W Wᵀ)_ik = Σ_j w_ij w_kj within vs across groups.
         Co-usage does not care which owner's model serves a group: under Eq. 8 φ_j is trained by whoever uses
-        it, so a model can end up serving another group than its owner's (EM label switching)."""
+        it, so a model can end up serving another group than its owner's (EM label switching). On the sine toy
+        (Fig. 1: weights concentrate on neighbouring intervals) the band is measured the same way: co-usage of
+        adjacent intervals (|g_i - g_k| = 1) against intervals two or more apart."""
         out = {"w_self_mean": float(np.mean(np.diag(self.W)))}
         if self.info.groups is not None:
             g = np.asarray(self.info.groups)
@@ -200,6 +202,10 @@ class FedericoServer(Server):
             C, off = self.W @ self.W.T, ~np.eye(len(g), dtype=bool)
             out["cousage_same_mean"] = float(C[same & off].mean()) if (same & off).any() else float("nan")
             out["cousage_cross_mean"] = float(C[~same].mean()) if (~same).any() else float("nan")
+            if self.info.task == "regression":  # the sine toy: group g is the g-th interval from the left
+                gap = np.abs(g[:, None] - g[None, :])
+                out["cousage_neighbour_mean"] = float(C[gap == 1].mean()) if (gap == 1).any() else float("nan")
+                out["cousage_far_mean"] = float(C[gap >= 2].mean()) if (gap >= 2).any() else float("nan")
         return out
 
     def eval_messages(self, stage, rnd, cids):

@@ -16,6 +16,7 @@ CLASSIFICATION = ("test_acc_mean", "test_acc_worst", "test_acc_bottom10_mean")
 REGRESSION = ("test_loss_mean", "test_loss_worst", "test_loss_bottom10_mean")
 EXTRA_SUFFIX = "_acc_mean"  # e.g. FedMoE's global_acc_mean, fedavg_test_acc_mean, finetuned_global_acc_mean
 ALSO = ("val_acc_mean",)  # for choosing defaults on validation; never used to pick anything here
+WEIGHTS = ("w_same_group_mean", "cousage_neighbour_mean", "cousage_far_mean")  # FedeRiCo's collaboration
 
 
 def columns(runs: pd.DataFrame) -> list[str]:
@@ -24,7 +25,7 @@ def columns(runs: pd.DataFrame) -> list[str]:
     base = CLASSIFICATION if "test_acc_mean" in runs else REGRESSION
     extra = sorted(c for c in runs.columns if c.endswith(EXTRA_SUFFIX) and c not in (*base, *ALSO)
                    and not c.startswith("val_"))
-    return [c for c in (*base, *ALSO, *extra) if c in runs]
+    return [c for c in (*base, *ALSO, *extra, *WEIGHTS) if c in runs]
 
 
 def summarize_runs(runs: pd.DataFrame, order: list[str] | None = None) -> pd.DataFrame:
