@@ -47,7 +47,7 @@ def test_params_check():
     Params().check(8)
     Params(epsilon=0.0, M=0, beta=0.0).check(8)  # boundaries allowed: greedy, local only, no EMA update
     Params(epsilon=1.0, M=7).check(8)
-    for bad, msg in (({"M": 8}, "M=8"), ({"epsilon": 1.5}, "epsilon=1.5"), ({"beta": 1.0}, "beta=1.0"),
+    for bad, msg in (({"M": 8}, r"M=8: must be in \[0, clients-1\] = \[0, 7\]"), ({"epsilon": 1.5}, "epsilon=1.5"), ({"beta": 1.0}, "beta=1.0"),
                      ({"init_losses": "zero"}, "init_losses")):
         with pytest.raises(ValueError, match=msg):
             Params(**bad).check(8)
@@ -175,10 +175,11 @@ def test_a_round_makes_local_steps_iterations_and_defaults_to_the_baselines_step
         return FedericoServer(Params(M=1, local_steps=steps), info, put=lambda v: v, get=list,
                               rng=np.random.default_rng(0), initial=np.zeros(2, np.float32))
 
-    calls = []
+    calls, sent = [], {}
 
     def call(step, msgs):
         calls.append(step)
+        sent[step] = msgs
         if step == "share":
             return {i: {"model": np.zeros(2, np.float32)} for i in msgs}
         if step == "init":
@@ -193,6 +194,11 @@ def test_a_round_makes_local_steps_iterations_and_defaults_to_the_baselines_step
         assert srv.setup(call)["local_steps"] == expected
         srv.run_round(Stage("train", 1), 0, [0, 1], call)
         assert calls[2:] == ["estep", "mstep"] * expected
+        assert {i: set(m["models"]["peers"]) for i, m in sent["init"].items()} == {0: {1}, 1: {0}}  # all others
+    srv = FedericoServer(Params(M=1, init_losses="own"), server(1).info, put=lambda v: v, get=list,
+                         rng=np.random.default_rng(0), initial=np.zeros(2, np.float32))
+    srv.setup(call)
+    assert all(m["models"]["peers"] == {} for m in sent["init"].values())  # "own": no communication
     c = _client(0, [1.0] * 70, [0.0] * 70)  # 70 samples, batch 100, 1 epoch: 1 step
     logic = FedericoClient(Params(M=0))
     logic.init_client(c)
