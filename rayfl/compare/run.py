@@ -9,8 +9,6 @@ Under Ray the experiments run as concurrent launches, each with an equal share o
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import os
 import tempfile
 import time
@@ -108,19 +106,19 @@ def _run_local(prepared, tracking: dict, on_round) -> dict:
     return {"final": loop.final, "history": loop.history, "run_id": tracker.run_id}
 
 
-def _ray_share(cfg, concurrent: int):
-    """Client-actor resources for one of ``concurrent`` experiments sharing the cluster evenly."""
+def _ray_share(cfg, concurrent: int) -> tuple:
+    """(client-actor resources, number of client actors) for one of ``concurrent`` experiments sharing the
+    cluster evenly: the engine's own placement, planned on that share."""
     import ray
 
-    from rayfl.actors.resources import check_fits, plan_actor_resources
-    from rayfl.runtime import assign_hosts
+    from rayfl.actors.resources import check_fits, n_actors_for, plan_actor_resources
 
     cluster = ray.cluster_resources()
     share = {k: float(v) / concurrent for k, v in cluster.items() if k in ("CPU", "GPU", "memory")}
-    n_actors = len(assign_hosts(cfg.clients, cfg.clients_per_actor))
+    n_actors = n_actors_for(cfg, share)
     res = plan_actor_resources(cfg, n_actors, share)
     check_fits(res, n_actors, share, cfg.clients)
-    return res
+    return res, n_actors
 
 
 def compare(algos: Sequence[str] | None = None, seeds: Sequence[int] = (0, 1, 2), preset: str | None = None, *,
@@ -138,7 +136,7 @@ def compare(algos: Sequence[str] | None = None, seeds: Sequence[int] = (0, 1, 2)
     private local one) with up to ``max_concurrent`` experiments at once (default: one per CPU).
     ``on_round(label, record)`` sees every round of every experiment."""
     from rayfl.experiment import prepare
-    from rayfl.tracking import ensure_experiment, numeric, resolve_tracking_uri
+    from rayfl.tracking import ensure_experiment, resolve_tracking_uri
 
     if runtime not in ("ray", "local"):
         raise UserError(f"runtime={runtime!r}: allowed: ray, local")
@@ -174,7 +172,8 @@ def compare(algos: Sequence[str] | None = None, seeds: Sequence[int] = (0, 1, 2)
         else:
             from rayfl.actors.launch import launch
 
-            out = launch(p, tracking, on_round=show, resources=_ray_share(cfg, concurrent))
+            res, n_actors = _ray_share(cfg, concurrent)
+            out = launch(p, tracking, on_round=show, resources=res, actor_options=[{}] * n_actors)
         return final_rows(cfg.algo, cfg.seed, out)
 
     started_ray = False
