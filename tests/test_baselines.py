@@ -4,6 +4,7 @@ import numpy as np
 
 from rayfl.algorithms.base import NoParams, RunInfo, Stage
 from rayfl.algorithms.baselines import FedAvgServer
+from rayfl.reduce import reduce_uploads
 
 
 def test_fedavg_weights_uploads_by_training_size():
@@ -13,8 +14,9 @@ def test_fedavg_weights_uploads_by_training_size():
     vecs = {0: [1.0, 0.0], 1: [0.0, 1.0], 2: [3.0, 3.0]}
     sizes = {0: 10, 1: 30, 2: 60}
 
-    def call(step, msgs):
-        return {c: {"weights": np.array(vecs[c], np.float32), "n": sizes[c], "train_loss": float(c)} for c in msgs}
+    def call(step, msgs, reduce=None):  # the reduction the engine would run inside the client actors
+        return reduce_uploads(reduce, {c: {"weights": np.array(vecs[c], np.float32), "n": sizes[c],
+                                           "train_loss": float(c)} for c in msgs})
 
     metrics = srv.run_round(Stage("train", 1), 0, [0, 1, 2], call)
     # (10·(1,0) + 30·(0,1) + 60·(3,3)) / 100 = (1.9, 2.1); the plain mean would be (4/3, 4/3)

@@ -213,11 +213,12 @@ def test_selection_runs_every_select_every_rounds_and_on_the_last():
                           np.zeros(3, np.float32))
     validated = []
 
-    def call(step, msgs):
+    def call(step, msgs, reduce=None):
         if step == "validate":
             validated.append(rnd)
             return {c: {"val_loss": 1.0} for c in msgs}
-        return {c: {"weights": np.zeros(3, np.float32), "n": 5, "train_loss": 0.0} for c in msgs}
+        return reduce_uploads(reduce, {c: {"weights": np.zeros(3, np.float32), "n": 5, "train_loss": 0.0}
+                                       for c in msgs})
 
     for rnd in range(5):
         server.run_round(server.stages()[0], rnd, list(range(4)), call)
