@@ -1,4 +1,4 @@
-"""The ``rayfl`` command: ``run`` one experiment, ``tune`` a sweep, ``algos`` to list what there is.
+"""The ``rayfl`` command: ``run`` one experiment, ``tune`` a sweep, ``compare`` algorithms x seeds, ``algos``.
 
 User mistakes end in one line on stderr and exit status 2, before any actor starts.
 """
@@ -27,6 +27,8 @@ GROUPS = {
         "classes_per_client": "classes per client (pathological)",
         "alpha": "Dirichlet concentration (dirichlet)",
         "groups": "number of latent / label / rotation / permutation groups",
+        "group_assign": "clients to groups: blocks | random | auto (label-groups random, others blocks)",
+        "label_shift": "Dirichlet alpha of a label shift on top of rotation / permutation groups (0: none)",
         "majority": "majority-class fraction p (majority)",
         "sizes": "client dataset sizes: equal | lognormal",
         "size_sigma": "sigma of the log-normal sizes",
@@ -147,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
             raise
     else:
         add_tune_parser(sub, add_config_arguments)
+    from rayfl.compare.command import add_compare_parser
+
+    add_compare_parser(sub, add_config_arguments)
     return parser
 
 
@@ -310,12 +315,12 @@ def format_round(rec: dict) -> str:
 
 
 def summary_table(final: dict) -> str:
-    rows = []
-    for metric in ("test_acc", "val_acc", "test_loss"):
-        stats = [final.get(f"{metric}_{s}") for s in ("mean", "weighted_mean", "std", "worst", "bottom10_mean")]
-        if stats[0] is not None:
-            rows.append(f"{metric:10s}" + "".join(f"{v:>12.4f}" for v in stats))
-    head = f"{'':10s}" + "".join(f"{h:>12s}" for h in ("mean", "weighted", "std", "worst", "bottom10%"))
+    extra = sorted(k[:-5] for k in final if k.endswith("_acc_mean") and k[:-5] not in ("test_acc", "val_acc"))
+    metrics = [m for m in ("test_acc", "val_acc", "test_loss", *extra) if f"{m}_mean" in final]  # FedMoE's too
+    width = max([10, *(len(m) + 2 for m in metrics)])
+    stats = ("mean", "weighted_mean", "std", "worst", "bottom10_mean")
+    rows = [f"{m:{width}s}" + "".join(f"{final.get(f'{m}_{s}', float('nan')):>12.4f}" for s in stats) for m in metrics]
+    head = f"{'':{width}s}" + "".join(f"{h:>12s}" for h in ("mean", "weighted", "std", "worst", "bottom10%"))
     return "\n".join([head, *rows])
 
 

@@ -22,6 +22,7 @@ class UserError(Exception):
 PARTITIONS = ("iid", "pathological", "dirichlet", "latent", "majority", "label-groups", "rotation",
               "permutation")
 SIZE_DISTRIBUTIONS = ("equal", "lognormal")
+GROUP_ASSIGN = ("auto", "blocks", "random")
 OPTIMIZERS = ("sgd", "adam")
 MAX_SEED = 2**32 - 1  # numpy's legacy RandomState (Tune's grid/random search) takes seeds below 2**32
 
@@ -39,6 +40,8 @@ class Config:
     classes_per_client: int = 2  # pathological
     alpha: float = 0.5  # dirichlet
     groups: int = 4  # latent / label-groups / rotation / permutation
+    group_assign: str = "auto"  # clients to groups: blocks | random | auto (each paper's way, see partition.py)
+    label_shift: float = 0.0  # rotation / permutation: Dirichlet(α) label shift on top (user-centric S2); 0: none
     majority: float = 0.8  # majority-class fraction p (FedMoE)
     sizes: str = "equal"  # client dataset sizes: equal | lognormal (PersFL DS-3)
     size_sigma: float = 2.0  # lognormal sigma for sizes
@@ -86,6 +89,12 @@ class Config:
         _one_of("dataset", self.dataset, DATASETS)
         _one_of("partition", self.partition, PARTITIONS)
         _one_of("sizes", self.sizes, SIZE_DISTRIBUTIONS)
+        _one_of("group_assign", self.group_assign, GROUP_ASSIGN)
+        if not self.label_shift >= 0 or self.label_shift == float("inf"):
+            raise UserError(f"label_shift={self.label_shift}: must be a finite number >= 0 (0: no label shift)")
+        if self.label_shift > 0 and self.partition not in ("rotation", "permutation"):
+            raise UserError(f"label_shift={self.label_shift}: applies to partition rotation or permutation, "
+                            f"not {self.partition!r}")
         _one_of("optimizer", self.optimizer, OPTIMIZERS)
         _one_of("model", self.model, ("auto",) + tuple(MODELS))
         if self.clients_per_actor != "auto" and not (isinstance(self.clients_per_actor, int)

@@ -31,10 +31,13 @@ def summarize(values, weights=None, higher_is_better: bool = True) -> dict[str, 
     }
 
 
-def round_summary(per_client: dict[int, dict], splits=("test", "val", "global")) -> dict[str, float]:
-    """Flat metrics for one round, e.g. ``test_acc_mean``, ``test_loss_worst``, from client records
-    (``global`` is the balanced held-out set that FedMoE also scores every client on)."""
+def round_summary(per_client: dict[int, dict], splits=None) -> dict[str, float]:
+    """Flat metrics for one round, e.g. ``test_acc_mean``, ``test_loss_worst``, from client records; by
+    default for every split a record has a size ``n_<split>`` for (``global``: the balanced held-out set
+    FedMoE scores every client on; ``fedavg_test``: FedMoE's FedAvg column, ...)."""
     cids = sorted(per_client)
+    if splits is None:
+        splits = sorted({k[2:] for c in cids for k in per_client[c] if k.startswith("n_")})
     out: dict[str, float] = {}
     for split in splits:
         n = [per_client[c].get(f"n_{split}", 0) for c in cids]

@@ -164,6 +164,50 @@ def test_label_groups_disjoint(digits):
     assert set().union(*labels.values()) == set(range(10))
 
 
+def test_label_groups_assigned_at_random_or_in_blocks(digits):
+    """FedeRiCo's paper assigns clients to groups at random (a group may hold one client); blocks stay an option."""
+    sizes = set()
+    for seed in range(8):
+        f = fed(digits, partition="label-groups", groups=3, clients=9, seed=seed)
+        g = [c.group for c in f.clients]
+        assert set(g) == {0, 1, 2}  # never an empty group
+        sizes.add(tuple(sorted(np.bincount(g))))
+    assert len(sizes) > 1 and sizes != {(3, 3, 3)}  # random: unbalanced draws happen
+    f = fed(digits, partition="label-groups", groups=3, clients=9, group_assign="blocks", seed=3)
+    assert [c.group for c in f.clients] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    f = fed(digits, partition="rotation", groups=3, clients=9, seed=3)  # auto: blocks, as user-centric's S2
+    assert [c.group for c in f.clients] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    f = fed(digits, partition="rotation", groups=3, clients=9, group_assign="random", seed=3)
+    assert [c.group for c in f.clients] != [0, 0, 0, 1, 1, 1, 2, 2, 2]
+
+
+def test_rotation_with_dirichlet_label_shift(digits):
+    """User-centric S2: rotation groups with a Dirichlet(0.4) label distribution per user on top."""
+    def top_share(f):
+        return np.mean([label_counts(digits, c).max() / label_counts(digits, c).sum() for c in f.clients])
+
+    plain = fed(digits, partition="rotation", groups=4, clients=8)
+    shifted = fed(digits, partition="rotation", groups=4, clients=8, label_shift=0.4)
+    assert top_share(plain) < 0.2 < 0.3 < top_share(shifted)  # iid ~ 0.1-0.15; Dir(0.4) much more skewed
+    assert [c.group for c in shifted.clients] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [c.transform.get("rotate", 0) for c in shifted.clients] == [0, 0, 1, 1, 2, 2, 3, 3]
+    everyone = np.concatenate([held(c) for c in shifted.clients])
+    assert len(np.unique(everyone)) == len(everyone)  # still disjoint
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(partition="rotation", label_shift=-1.0), "label_shift=-1.0"),
+    (dict(partition="rotation", label_shift=float("nan")), "label_shift=nan"),
+    (dict(partition="iid", label_shift=0.4), "label_shift=0.4: applies to partition rotation or permutation"),
+    (dict(partition="label-groups", group_assign="shuffled"), "group_assign='shuffled'"),
+])
+def test_partition_option_errors(kw, match):
+    from rayfl.config import make_config
+
+    with pytest.raises(UserError, match=match):
+        make_config(None, kw).check()
+
+
 def test_sine_latent_intervals():
     ds = load_dataset(Config(dataset="sine"))
     f = fed(ds, partition="latent", groups=5, clients=5)

@@ -45,7 +45,9 @@ def test_eps_greedy_counts_under_a_fixed_seed():
 
 def test_params_check():
     Params().check(8)
-    for bad, msg in (({"M": 8}, "M=8"), ({"epsilon": 1.5}, "epsilon=1.5"), ({"beta": 1.0}, "beta=1.0"),
+    Params(epsilon=0.0, M=0, beta=0.0).check(8)  # boundaries allowed: greedy, local only, no EMA update
+    Params(epsilon=1.0, M=7).check(8)
+    for bad, msg in (({"M": 8}, r"M=8: must be in \[0, clients-1\] = \[0, 7\]"), ({"epsilon": 1.5}, "epsilon=1.5"), ({"beta": 1.0}, "beta=1.0"),
                      ({"init_losses": "zero"}, "init_losses")):
         with pytest.raises(ValueError, match=msg):
             Params(**bad).check(8)
@@ -113,7 +115,8 @@ def test_weights_concentrate_within_label_groups():
 
     cfg = make_config(None, {"algo": "federico", "dataset": "digits", "partition": "label-groups", "groups": 2,
                              "clients": 6, "rounds": 40, "optimizer": "adam", "lr": 0.01, "eval_every": 40,
-                             "val_frac": 0.0, "seed": 0, "params": {"M": 2}})
+                             "val_frac": 0.0, "seed": 0, "group_assign": "blocks",
+                             "params": {"M": 2, "local_steps": 1}})
     prepared = prepare(cfg)
     loop = Loop(prepared, LocalRuntime(prepared)).run()
     W, g = loop.server.W, np.asarray(prepared.info.groups)
@@ -125,3 +128,103 @@ def test_weights_concentrate_within_label_groups():
     first, last = loop.history[0]["w_same_group_mean"], loop.history[-1]["w_same_group_mean"]
     assert first < 0.55 < last, (first, last)  # ~1/2 at the start (uniform), then mass moves into the group
     assert loop.final["test_acc_weighted_mean"] > 0.9
+
+
+def test_gradients_use_the_new_posterior_and_scale_the_own_term():
+    """Spec P7: the E-step first updates L̂ with the batch losses (β > 0), then weights every gradient, the
+    owner's own term included, by the NEW w_ij. Every client has a non-zero gradient on its own data."""
+    data = {0: ([1.0, 2.0], [2.0, 2.0]), 1: ([1.0], [3.0]), 2: ([2.0], [0.0])}  # n = 2, 1, 1; n̄ = 4/3
+    W = np.array([[0.5, 0.3, 0.2], [0.6, 0.3, 0.1], [0.1, 0.2, 0.7]])
+    beta, phi = 0.5, np.array([1.0, 0.0])  # every φ = (a=1, b=0): h(x) = x
+    logic = FedericoClient(Params(M=2, epsilon=0.0, beta=beta))
+    clients = {}
+    for i, (x, y) in data.items():
+        c = _client(i, x, y)
+        logic.init_client(c)
+        c.load(phi.astype(np.float32))
+        c.state.update(L=-np.log(W[i]), w=W[i], K=3, scale=c.n() / (4 / 3))
+        clients[i] = c
+    ups = {i: logic.step_estep(c, {}, {"peers": {j: clients[j].vector() for j in range(3) if j != i}})
+           for i, c in clients.items()}
+
+    def mse_and_grad(x, y):  # of the mean squared error of h(x) = a x + b at (1, 0), by hand
+        x, y = np.array(x), np.array(y)
+        r = x - y
+        return float(np.mean(r ** 2)), np.array([np.mean(2 * r * x), np.mean(2 * r)])
+
+    new_w = {}
+    for i, (x, y) in data.items():
+        loss, _ = mse_and_grad(x, y)  # identical models: the same loss for every owner j
+        L = (1 - beta) * -np.log(W[i]) + beta * loss
+        new_w[i] = np.exp(-L) / np.exp(-L).sum()
+        assert ups[i]["w"] == pytest.approx(new_w[i])
+    scale = {0: 1.5, 1: 0.75, 2: 0.75}
+    G = sum(new_w[i][0] * scale[i] * mse_and_grad(*data[i])[1] for i in range(3))  # column 0, own term included
+    assert ups[1]["grads"][0] == pytest.approx(new_w[1][0] * 0.75 * mse_and_grad(*data[1])[1])
+    logic.step_mstep(clients[0], {}, {"grads": [ups[1]["grads"][0], ups[2]["grads"][0]]})
+    assert clients[0].vector() == pytest.approx(phi - G)
+
+
+def test_a_round_makes_local_steps_iterations_and_defaults_to_the_baselines_steps():
+    """local_steps E/M iterations per round; 0 = local_epochs x ceil(n_i / batch) averaged over clients."""
+    from rayfl.algorithms.base import RunInfo, Stage
+    from rayfl.algorithms.federico import FedericoServer
+
+    def server(steps):
+        info = RunInfo(n_clients=2, rounds=1, participation=1.0, seed=0, n_train=[40, 80])
+        return FedericoServer(Params(M=1, local_steps=steps), info, put=lambda v: v, get=list,
+                              rng=np.random.default_rng(0), initial=np.zeros(2, np.float32))
+
+    calls, sent = [], {}
+
+    def call(step, msgs):
+        calls.append(step)
+        sent[step] = msgs
+        if step == "share":
+            return {i: {"model": np.zeros(2, np.float32)} for i in msgs}
+        if step == "init":
+            return {i: {"w": np.full(2, 0.5), "next": [1 - i], "steps": [2, 4][i]} for i in msgs}
+        if step == "estep":
+            return {i: {"w": np.full(2, 0.5), "next": [1 - i], "grads": {}, "loss": 1.0, "n": 40} for i in msgs}
+        return {i: {"model": np.zeros(2, np.float32)} for i in msgs}
+
+    for steps, expected in ((3, 3), (0, 3)):  # 0: mean of (2, 4) steps
+        calls.clear()
+        srv = server(steps)
+        assert srv.setup(call)["local_steps"] == expected
+        srv.run_round(Stage("train", 1), 0, [0, 1], call)
+        assert calls[2:] == ["estep", "mstep"] * expected
+        assert {i: set(m["models"]["peers"]) for i, m in sent["init"].items()} == {0: {1}, 1: {0}}  # all others
+    srv = FedericoServer(Params(M=1, init_losses="own"), server(1).info, put=lambda v: v, get=list,
+                         rng=np.random.default_rng(0), initial=np.zeros(2, np.float32))
+    srv.setup(call)
+    assert all(m["models"]["peers"] == {} for m in sent["init"].values())  # "own": no communication
+    c = _client(0, [1.0] * 70, [0.0] * 70)  # 70 samples, batch 100, 1 epoch: 1 step
+    logic = FedericoClient(Params(M=0))
+    logic.init_client(c)
+    assert logic.step_init(c, {"K": 1, "n_mean": 70.0}, {})["steps"] == 1
+    with pytest.raises(ValueError, match="local_steps=-1"):
+        Params(local_steps=-1).check(4)
+
+
+def test_paper_defaults():
+    """Spec 002: ε = 0.3, M = 3, β = 0.6 on the new loss; the mean loss and a baseline's steps per round."""
+    p = Params()
+    assert (p.epsilon, p.M, p.beta, p.init_losses, p.loss_sum, p.local_steps) == (0.3, 3, 0.6, "all", False, 0)
+
+
+def test_cousage_band_on_ordered_intervals():
+    """Co-usage (W Wᵀ)_ik of adjacent sine intervals against far ones, from a hand-made W."""
+    from rayfl.algorithms.base import RunInfo
+    from rayfl.algorithms.federico import FedericoServer
+
+    info = RunInfo(n_clients=3, rounds=1, participation=1.0, seed=0, n_train=[5] * 3, task="regression",
+                   groups=[0, 1, 2])
+    srv = FedericoServer(Params(M=1), info, put=lambda v: v, get=list, rng=np.random.default_rng(0),
+                         initial=np.zeros(2, np.float32))
+    srv.W = np.array([[0.5, 0.5, 0.0], [0.0, 0.5, 0.5], [0.0, 0.0, 1.0]])
+    C = srv.W @ srv.W.T  # [[.5, .25, 0], [.25, .5, .5], [0, .5, 1]]
+    m = srv.weight_metrics()
+    assert m["cousage_neighbour_mean"] == pytest.approx((0.25 + 0.5) / 2)  # pairs (0,1), (1,2), both ways
+    assert m["cousage_far_mean"] == pytest.approx(0.0) and C[0, 2] == 0.0
+    assert m["w_self_mean"] == pytest.approx((0.5 + 0.5 + 1.0) / 3)

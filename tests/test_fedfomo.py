@@ -122,6 +122,10 @@ def test_p_update_uses_raw_w_and_stores_uploads():
         expected[j] += -0.5 if j == 3 else 0.3  # raw w, negative too
     np.testing.assert_allclose(srv.P[0], expected)
     assert srv.W[0, 0] == 0.4 and srv.W[0, 3] == 0.0
+    srv.W[1] = 7.0  # the last round's row is replaced, not added to: models not downloaded now get 0
+    srv.run_round(Stage("train", 3), 2, [1], call)
+    assert srv.W[1, 1] == 0.4 and sorted(np.flatnonzero(srv.W[1]).tolist()) == sorted(
+        [1] + [j for j in sent[1]["models"]["peers"] if j != 3])
     np.testing.assert_array_equal(srv.uploads[0], np.full(3, 10.0))  # replaced, never averaged
     np.testing.assert_array_equal(srv.uploads[2], np.full(3, 2.0))  # non-participant: kept
     assert metrics["epsilon"] == 0.0 and metrics["train_loss"] == 1.0
@@ -131,6 +135,8 @@ def test_p_update_uses_raw_w_and_stores_uploads():
 
 def test_params_check():
     FedFomoParams(M=5).check(5)
+    FedFomoParams(M=1, epsilon=0.0, lr_decay=1.0).check(5)  # boundaries allowed: no exploration, no decay
+    FedFomoParams(epsilon=1.0, epsilon_decay=0.0).check(5)
     for bad in (dict(M=6), dict(M=0), dict(epsilon=1.5), dict(epsilon_decay=-0.1), dict(distance="cos")):
         with pytest.raises(ValueError, match=next(iter(bad))):
             FedFomoParams(**bad).check(5)
@@ -162,7 +168,7 @@ def test_client_step_weighs_against_base_and_keeps_base_when_nothing_helps():
     d = np.linalg.norm(good)
     assert up["w"][1] == pytest.approx((lb - lg) / d) and up["w"][1] > 0
     assert up["w"][2] == pytest.approx((lb - lbad) / d) and up["w"][0] == pytest.approx((lb - lbad) / d)
-    assert up["w_star"] == {1: 1.0, 2: 0.0, 0: 0.0}
+    assert up["w_star"] == {1: 1.0, 2: 0.0, 0: 0.0} and not up["kept_base"]
     np.testing.assert_allclose(client.vector(), good, atol=1e-6)  # base + 1.0·(good - base)
     client.load(bad)
     up = logic.step_fomo(client, {"train": False}, {"peers": {2: bad}})
@@ -182,7 +188,7 @@ def test_client_trains_after_update_and_records_its_base():
 
 def test_p_favours_same_group_clients_on_latent_groups():
     cfg = make_config(None, {"algo": "fedfomo", "dataset": "synthetic", "partition": "label-groups", "groups": 2,
-                             "clients": 6, "rounds": 5, "lr": 0.1, "params": {"M": 3}})
+                             "group_assign": "blocks", "clients": 6, "rounds": 5, "lr": 0.1, "params": {"M": 3}})
     p = prepare(cfg)
     loop = Loop(p, LocalRuntime(p)).run()
     groups = np.array(p.info.groups)
@@ -193,3 +199,45 @@ def test_p_favours_same_group_clients_on_latent_groups():
     for i in range(len(groups)):  # each client's row too
         assert P[i, same[i] & off[i]].mean() > P[i, ~same[i]].mean()
     assert loop.history[-1]["stage"] == "update" and loop.final["test_acc_mean"] > 0.8
+
+
+# ------------------------------------------------------------------------------------------- departures
+
+def test_final_update_round_does_not_train():
+    """The extra update after the last training round only weighs downloads: no training, no new upload."""
+    srv = make_server(M=2, epsilon=0.0)
+    srv.uploads = {c: np.full(3, c, np.float32) for c in range(4)}
+    sent = {}
+
+    def call(step, messages):
+        sent.update(messages)
+        return {c: {"w": {}, "w_star": {}, "kept_base": True,
+                    **({"weights": np.full(3, 10 + c, np.float32), "train_loss": 1.0, "n": 10} if m["train"] else {})}
+                for c, m in messages.items()}
+
+    assert [s.name for s in srv.stages()] == ["train", "update"]
+    metrics = srv.run_round(srv.stages()[1], 3, [0, 1, 2, 3], call)
+    assert sent and all(m["train"] is False for m in sent.values())
+    assert "train_loss" not in metrics
+    for c in range(4):
+        np.testing.assert_array_equal(srv.uploads[c], np.full(3, c, np.float32))
+    srv.run_round(srv.stages()[0], 2, [0], call)
+    assert sent[0]["train"] is True
+    assert [s.name for s in make_server(final_update=False).stages()] == ["train"]
+
+
+def test_learning_rate_decays_per_round():
+    """Paper A.6: lr·0.99^r; checked with a decay of 0.5 at round 3 against the lr local training receives."""
+    client, logic = tiny_client(), FedFomoClient(FedFomoParams(lr_decay=0.5))
+    seen = []
+    fit = client.fit
+    client.fit = lambda **kw: seen.append(kw.get("lr")) or fit(**kw)
+    logic.step_fomo(client, {"train": True, "round": 3}, {})
+    assert seen == [pytest.approx(0.1 * 0.5 ** 3)]
+
+
+def test_paper_defaults():
+    """Paper A.6 / spec 000: 5 models, ε = 0.3 decaying by 0.05 a round, lr decay 0.99, the code's final update."""
+    p = FedFomoParams()
+    assert (p.M, p.epsilon, p.epsilon_decay, p.distance, p.lr_decay, p.final_update) == (5, 0.3, 0.05, "l2", 0.99,
+                                                                                       True)

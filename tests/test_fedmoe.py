@@ -163,3 +163,80 @@ def test_three_stages_end_to_end_with_global_test_set():
         assert rec["test_acc"] == pytest.approx(final[c]["finetuned_test_acc"])
     assert len(loop.server.opt_in) == 2
     assert "test_acc_worst" in loop.final
+    # Table 1's columns are summary metrics of the final round (rounds.csv, MLflow, the closing table)
+    for col in ("global", "fedavg_test", "fedavg_global", "finetuned_test", "finetuned_global"):
+        assert loop.final[f"{col}_acc_mean"] == pytest.approx(np.mean([r[f"{col}_acc"] for r in final.values()]))
+        assert loop.final[f"{col}_acc_worst"] == pytest.approx(min(r[f"{col}_acc"] for r in final.values()))
+    from rayfl.cli import summary_table
+
+    table = summary_table(loop.final)
+    assert "finetuned_global_acc" in table and "fedavg_test_acc" in table
+
+
+def test_stage3_specialist_starts_from_the_stage2_specialist(monkeypatch):
+    """Eq. 7: the mixture's specialist continues from stage 2's fine-tuned model, not from the global model."""
+    from rayfl.algorithms import fedmoe
+    from rayfl.algorithms.fedmoe import FedMoEClient
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(30, 4, generator=g)
+    y = (x[:, 0] > 0).long()
+    splits = {"train": (x[:10], y[:10]), "val": (x[10:20], y[10:20]), "test": (x[20:], y[20:])}
+    make = lambda: nn.Sequential(nn.Flatten(), nn.Linear(4, 2))  # noqa: E731
+    client = Client(0, splits, make, None, TrainSettings("classification", 1, 0.1, 8), 0)
+    glob = np.zeros(10, np.float32)
+    tuned = np.arange(10, dtype=np.float32) / 10
+    client.state["finetuned"] = tuned
+    monkeypatch.setattr(fedmoe, "fit_early_stopping", lambda *a, **k: {"best_epoch": 0, "epochs": 0,
+                                                                        "best_val_loss": 0.0})
+    FedMoEClient(FedMoEParams()).step_mixture(client, {}, {"global": glob})  # no training: the start is kept
+    np.testing.assert_array_equal(client.state["specialist"], tuned)
+
+
+def test_paper_defaults():
+    """Spec 001: at most 500 epochs per stage with early stopping, no opt-out, the paper's mixture loss."""
+    p = FedMoEParams()
+    assert (p.opt_out, p.specialist_epochs, p.gate_epochs, p.mixture_loss, p.select_every) == (0.0, 500, 500,
+                                                                                               "paper", 1)
+    assert (p.patience, p.ft_lr) == (50, 0.0)
+
+
+def test_opt_out_draws_distinct_clients():
+    info = RunInfo(n_clients=100, rounds=1, participation=0.1, seed=0, n_train=[5] * 100)
+    server = FedMoEServer(FedMoEParams(opt_out=0.9), info, lambda v: v, list, np.random.default_rng(0),
+                          np.zeros(3, np.float32))
+    assert len(server.opt_in) == 10 and server.per_round == 10
+
+
+def test_selection_runs_every_select_every_rounds_and_on_the_last():
+    info = RunInfo(n_clients=4, rounds=5, participation=1.0, seed=0, n_train=[5] * 4)
+    server = FedMoEServer(FedMoEParams(select_every=2), info, lambda v: v, list, np.random.default_rng(0),
+                          np.zeros(3, np.float32))
+    validated = []
+
+    def call(step, msgs, reduce=None):
+        if step == "validate":
+            validated.append(rnd)
+            return {c: {"val_loss": 1.0} for c in msgs}
+        return reduce_uploads(reduce, {c: {"weights": np.zeros(3, np.float32), "n": 5, "train_loss": 0.0}
+                                       for c in msgs})
+
+    for rnd in range(5):
+        server.run_round(server.stages()[0], rnd, list(range(4)), call)
+    assert validated == [1, 3, 4]
+
+
+def test_mixture_loss_knob_picks_the_mixture_form():
+    from rayfl.algorithms.fedmoe import FedMoEClient, nll
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 4, generator=g)
+    y = (x[:, 0] > 0).long()
+    make = lambda: nn.Sequential(nn.Flatten(), nn.Linear(4, 2))  # noqa: E731
+    client = Client(0, {"train": (x, y), "val": (x[:1], y[:1]), "test": (x, y)}, make, None,
+                    TrainSettings("classification", 1, 0.1, 8), 0)
+    vec = client.vector()
+    assert not FedMoEClient(FedMoEParams()).mixture(client, vec, vec).log_space  # paper: mix probabilities
+    assert FedMoEClient(FedMoEParams(mixture_loss="code")).mixture(client, vec, vec).log_space
+    one = nll(client.model, x[:1], y[:1], F.cross_entropy)  # a one-sample split has a loss, not NaN
+    assert one == pytest.approx(F.cross_entropy(client.model(x[:1]), y[:1]).item())

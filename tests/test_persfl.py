@@ -181,3 +181,38 @@ def test_whole_run_tables_and_one_point_equals_that_point_of_the_grid():
 def test_final_teacher_ablation_runs():
     loop = run(teacher="final", lam_grid=(0.5,), T_grid=(2.0,))
     assert loop.history[-1]["stage"] == "distill" and loop.final["test_acc_mean"] > 0.3
+
+
+def test_final_fedavg_model_is_a_teacher_candidate():
+    """The final aggregate, checked at the start of stage 2, wins when its validation loss is the lowest."""
+    logic = PersFLClient(PersFLParams())
+    c = ScriptedClient(0, [2.0, 1.0, 0.5])
+    logic.init_client(c)
+    logic.track(c, np.array([0, 0.0], np.float32), 0)
+    logic.track(c, np.array([1, 0.0], np.float32), 1)
+    up = logic.step_select_teacher(c, {"round": 2}, {"global": np.array([2, 0.0], np.float32)})
+    assert (up["teacher_round"], up["teacher_loss"]) == (2, 0.5)
+    np.testing.assert_array_equal(c.state["teacher"], [2.0, 0.0])
+
+
+def test_paper_defaults():
+    """Spec 004 §2.2: the per-client grid inferred from Table 5; KL soft loss; each client's best round."""
+    p = PersFLParams()
+    assert p.lam_grid == (0.0, 0.25, 0.5, 0.75, 1.0)
+    assert p.T_grid == (1.0, 5.0, 9.0, 13.0, 17.0, 21.0, 25.0)
+    assert (p.lam, p.T, p.distill_epochs, p.variant, p.teacher, p.stage1_cache) == (0.5, 1.0, 0, "sgd", "best", "")
+
+
+def test_teacher_logits_cover_clients_larger_than_one_chunk():
+    """The teacher's logits are computed in chunks of 1024 samples: a larger client gets all of them."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1100, 2, generator=g)
+    y = (x[:, 0] > 0).long()
+    splits = {"train": (x[:1050], y[:1050]), "val": (x[1050:], y[1050:]), "test": (x[1050:], y[1050:])}
+    teacher = np.array([0.0, 0.0, 1.0, 0.0, 0.0, 0.0], np.float32)
+    c = Client(0, splits, lambda: torch.nn.Linear(2, 2), teacher, TrainSettings("classification", 1, 0.1, 256), 0)
+    logic = PersFLClient(PersFLParams(lam_grid=(1.0,), T_grid=(1.0,)))
+    logic.init_client(c)
+    c.state.update(teacher=teacher, teacher_round=1, teacher_loss=0.5)
+    up = logic.step_distill(c, {"seed": 0}, {})
+    assert up["lam"] == 1.0 and up["n"] == 1050

@@ -92,6 +92,11 @@ def test_gradient_stats_eq7():
     # K = floor(5 / 2) = 2 batches of n_k = 2; the fifth sample is dropped from (7) only
     expected = np.mean([float((grad(x[i:i + 2], y[i:i + 2]) - full).pow(2).sum()) for i in (0, 2)])
     assert sigma2 == pytest.approx(expected, rel=1e-6)
+    _, two = gradient_stats(model, x[:2], y[:2], loss, batch=32)  # two samples: n_k halves to 1, K = 2
+    pair = grad(x[:2], y[:2])
+    expected = np.mean([float((grad(x[i:i + 1], y[i:i + 1]) - pair).pow(2).sum()) for i in (0, 1)])
+    assert two == pytest.approx(expected, rel=1e-6) and two > 0
+    assert gradient_stats(model, x[:1], y[:1], loss, batch=32)[1] == 0.0  # one sample: no spread (local only)
 
 
 def test_params_check():
@@ -133,6 +138,7 @@ def test_kmeans_with_true_k_recovers_groups(partition, groups):
     assert len(set(labels)) == groups
     assert loop.setup_metrics["streams_ari_groups"] == 1.0
     assert loop.setup_metrics["silhouette_best_k"] == groups
+    assert sorted(loop.server.silhouette) == list(range(2, 8))  # k = 2 .. m - 1 with m = 8 users
     w = loop.server.w
     same = truth[:, None] == truth[None, :]
     assert w[same].mean() > w[~same].mean()  # more weight on same-group users
@@ -140,3 +146,29 @@ def test_kmeans_with_true_k_recovers_groups(partition, groups):
     assert art["W"].shape == (8, 8) and list(art["streams"]["stream"]) == labels.tolist()
     assert art["stream_weights"].shape == (groups, 8)
     assert "test_acc_worst" in loop.final
+
+
+def test_server_round_aggregates_with_the_rows_of_w():
+    """Eq. 5: user i's next model is Σ_j w_ij θ_j (its ROW of W), not Σ_j w_ji θ_j."""
+    from rayfl.algorithms.base import RunInfo, Stage
+    from rayfl.algorithms.usercentric import UserCentricServer
+
+    info = RunInfo(n_clients=3, rounds=1, participation=1.0, seed=0, n_train=[5, 5, 5])
+    srv = UserCentricServer(UserCentricParams(), info, put=lambda v: v, get=list, rng=np.random.default_rng(0),
+                            initial=np.zeros(2, np.float32))
+    w = np.array([[0.7, 0.2, 0.1], [0.0, 0.5, 0.5], [0.3, 0.3, 0.4]])  # not symmetric
+    srv.w, (srv.labels, srv.centroids) = w, assign_streams(w, 0, seed=0)
+    srv.stream_refs = [srv.initial] * 3
+    thetas = {0: [1.0, 0.0], 1: [0.0, 1.0], 2: [2.0, 2.0]}
+    ups = lambda step, msgs: {c: {"weights": np.array(thetas[c], np.float32), "n": 5,  # noqa: E731
+                                  "train_loss": 0.0} for c in msgs}
+    srv.run_round(Stage("train", 1), 0, [0, 1, 2], ups)
+    for i in range(3):
+        expected = sum(w[i, j] * np.array(thetas[j]) for j in range(3))
+        np.testing.assert_allclose(srv.stream_refs[srv.labels[i]], expected, rtol=1e-6)
+
+
+def test_defaults():
+    """k = m streams (full personalization) and n_k = the run's batch size unless set."""
+    p = UserCentricParams()
+    assert (p.streams, p.sigma_batch) == (0, 0)

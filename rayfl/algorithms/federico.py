@@ -12,6 +12,12 @@ through the object store; the driver only routes handles, it never averages or r
 2. ``mstep`` on every participant j (owner): sum its own term and the gradients routed to it, i.e.
    Σ_i w_ij ∇φ_j loss(φ_j; D_i) — the COLUMN j of W (Eq. 8; pitfall P1) — and take one optimizer step.
 
+A round repeats the two phases ``local_steps`` times (each repetition is one iteration of the paper's
+algorithm: one E-step and one optimizer step per client), then evaluates. The paper runs 150 such iterations;
+``local_steps=0`` (default) gives each round as many steps as a baseline's local training makes,
+local_epochs x ceil(n_i / batch_size) averaged over clients, so that FedeRiCo and FedAvg / Local compare
+at the same number of optimizer steps per round (``local_steps=1`` is one paper iteration per round).
+
 Prediction of client i is the w_i-weighted mixture of the models' OUTPUTS (probabilities for
 classification, values for regression; spec §2 "Prediction", P10).
 
@@ -55,6 +61,7 @@ class Params:
     beta: float = 0.6  # EMA weight on the NEW loss: L̂ <- (1-β) L̂ + β l (paper: 0.6; pitfall P2)
     init_losses: str = "all"  # initial L̂: "all" (one all-to-all evaluation at t=0) or "own" (own loss)
     loss_sum: bool = False  # per-round loss as Eq. 3's SUM over the n_i samples (n_i x batch mean), not the mean
+    local_steps: int = 0  # E/M iterations per round; 0: a baseline's minibatch steps (local_epochs x n_i/batch)
 
     def check(self, n_clients: int) -> None:
         if not 0.0 <= self.epsilon <= 1.0:
@@ -63,6 +70,9 @@ class Params:
             raise ValueError(f"M={self.M}: must be in [0, clients-1] = [0, {n_clients - 1}] (never itself)")
         if not 0.0 <= self.beta < 1.0:
             raise ValueError(f"beta={self.beta}: must be in [0, 1) (the weight on the new loss)")
+        if self.local_steps < 0:
+            raise ValueError(f"local_steps={self.local_steps}: must be an integer >= 0 (0: the baselines' "
+                             f"minibatch steps per round)")
         if self.init_losses not in INIT_LOSSES:
             raise ValueError(f"init_losses={self.init_losses!r}: allowed: {', '.join(INIT_LOSSES)}")
 
@@ -131,6 +141,7 @@ class FedericoServer(Server):
         self.next: dict[int, list[int]] = {i: [] for i in range(K)}  # N_i for the coming round
         self.W = np.full((K, K), 1.0 / K)
         self.n_mean = float(np.mean(self.info.n_train)) if self.info.n_train else 1.0
+        self.steps = self.params.local_steps
 
     def setup(self, call):
         K = self.info.n_clients
@@ -140,10 +151,23 @@ class FedericoServer(Server):
         msgs = {i: {"K": K, "n_mean": self.n_mean,
                     "models": {"peers": {j: self.models[j] for j in range(K) if j != i and everyone}}}
                 for i in range(K)}
-        self._absorb_rows(call("init", msgs))
-        return {}
+        ups = call("init", msgs)
+        self._absorb_rows(ups)
+        if not self.steps:  # a baseline's minibatch steps per round, averaged over clients
+            self.steps = max(1, int(round(np.mean([u["steps"] for u in ups.values()]))))
+        return {"local_steps": float(self.steps)}
 
     def run_round(self, stage, rnd, participants, call):
+        losses, received = [], []
+        for _ in range(self.steps):
+            ups, inbox = self.iteration(participants, call)
+            losses.append(np.mean([u["loss"] for u in ups.values()]))
+            received.append(np.mean([len(v) for v in inbox.values()]))
+        return {"train_loss": float(np.mean(losses)), "grads_received_mean": float(np.mean(received)),
+                **self.weight_metrics()}
+
+    def iteration(self, participants, call):
+        """One iteration of the paper's algorithm: E-step and weighted gradients, then the owners' M-step."""
         # phase 1, at Φ^(t-1): client i fetches φ_j for j ∈ N_i itself, E-step, weighted gradients
         ups = call("estep", {i: {"models": {"peers": {j: self.models[j] for j in self.next[i]}}}
                              for i in participants})
@@ -156,9 +180,7 @@ class FedericoServer(Server):
                     inbox[j].append(handle)
         done = call("mstep", {j: {"models": {"grads": inbox[j]}} for j in participants})
         self.models.update({j: u["model"] for j, u in done.items()})
-        return {"train_loss": float(np.mean([u["loss"] for u in ups.values()])),
-                "grads_received_mean": float(np.mean([len(v) for v in inbox.values()])),
-                **self.weight_metrics()}
+        return ups, inbox
 
     def _absorb_rows(self, ups):
         for i, u in ups.items():
@@ -169,7 +191,9 @@ class FedericoServer(Server):
         """Mean self-weight w_ii and, where the partition has groups, two views of "collaborating within the
         group": the weight on same-group OWNERS, and co-usage (W Wᵀ)_ik = Σ_j w_ij w_kj within vs across groups.
         Co-usage does not care which owner's model serves a group: under Eq. 8 φ_j is trained by whoever uses
-        it, so a model can end up serving another group than its owner's (EM label switching)."""
+        it, so a model can end up serving another group than its owner's (EM label switching). On the sine toy
+        (Fig. 1: weights concentrate on neighbouring intervals) the band is measured the same way: co-usage of
+        adjacent intervals (|g_i - g_k| = 1) against intervals two or more apart."""
         out = {"w_self_mean": float(np.mean(np.diag(self.W)))}
         if self.info.groups is not None:
             g = np.asarray(self.info.groups)
@@ -178,6 +202,10 @@ class FedericoServer(Server):
             C, off = self.W @ self.W.T, ~np.eye(len(g), dtype=bool)
             out["cousage_same_mean"] = float(C[same & off].mean()) if (same & off).any() else float("nan")
             out["cousage_cross_mean"] = float(C[~same].mean()) if (~same).any() else float("nan")
+            if self.info.task == "regression":  # the sine toy: group g is the g-th interval from the left
+                gap = np.abs(g[:, None] - g[None, :])
+                out["cousage_neighbour_mean"] = float(C[gap == 1].mean()) if (gap == 1).any() else float("nan")
+                out["cousage_far_mean"] = float(C[gap >= 2].mean()) if (gap >= 2).any() else float("nan")
         return out
 
     def eval_messages(self, stage, rnd, cids):
@@ -193,11 +221,11 @@ class FedericoServer(Server):
     def state_dict(self):
         owners = sorted(self.models)
         return {"models": dict(zip(owners, self.get([self.models[j] for j in owners]))),
-                "next": self.next, "W": self.W}
+                "next": self.next, "W": self.W, "steps": self.steps}
 
     def load_state_dict(self, state):
         self.models = {j: self.put(v) for j, v in state["models"].items()}
-        self.next, self.W = dict(state["next"]), np.asarray(state["W"])
+        self.next, self.W, self.steps = dict(state["next"]), np.asarray(state["W"]), int(state["steps"])
 
 
 # --------------------------------------------------------------------------------------------- client
@@ -252,7 +280,8 @@ class FedericoClient(ClientLogic):
         w = posterior(L)
         nxt = eps_greedy(w, me, self.params.M, self.params.epsilon, client.rng)
         client.state.update(L=L, w=w, next=nxt, K=K, scale=client.n() / msg["n_mean"])
-        return {"w": w, "next": nxt}
+        s = client.settings
+        return {"w": w, "next": nxt, "steps": s.local_epochs * -(-client.n() // s.batch_size)}
 
     def step_estep(self, client, msg, models):
         """E-step on the sampled entries, then the weighted gradients at the OLD parameters (spec P7)."""

@@ -15,7 +15,9 @@ Three stages of one run (Algorithm 1), each a Stage of the shared loop:
 Evaluation: every client reports its model of the stage (stage 1: the selected global model; 2: the
 specialist; 3: the mixture) on its own val/test splits and on the balanced global test set ("global" split:
 ``global_acc``). The mixture stage's records also carry the same client's FedAvg and fine-tuned numbers
-(``fedavg_test_acc``, ``finetuned_global_acc``, ...) so the final round holds Table 1's four columns but Local.
+(``fedavg_test_acc``, ``finetuned_global_acc``, ...) so the final round holds Table 1's four columns but Local,
+summarised across clients like any split (``fedavg_test_acc_mean``, ``finetuned_global_acc_worst``, ...) in
+rounds.csv, the MLflow run and the closing table.
 
 ``mixture_loss`` (spec 001 §4.4): "paper" (default: the paper's Eq. 6 mixes the experts' softmax outputs, so
 the loss is -log(h p_s[y] + (1-h) p_g[y])) or "code" (the released code mixes log-softmax outputs, so the
@@ -292,8 +294,8 @@ class FedMoEClient(FedAvgClient):
             mix.eval()
             out["gate_mean"] = float(mix.gate_value(client.splits["test"][0]).mean()) if client.n("test") else float("nan")
         for name, model in (("fedavg", glob), ("finetuned", finetuned)):  # Table 1's other columns
-            rec = client.evaluate(model, splits[1:])
-            out.update({f"{name}_{k}": v for k, v in rec.items() if not k.startswith("n_")})
+            rec = client.evaluate(model, splits[1:])  # n_test -> n_fedavg_test: its own split in the summary
+            out.update({(f"n_{name}_{k[2:]}" if k.startswith("n_") else f"{name}_{k}"): v for k, v in rec.items()})
         return out
 
 

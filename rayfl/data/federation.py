@@ -70,10 +70,11 @@ def build_federation(cfg: Config, ds: Dataset) -> Federation:
     elif name == "label-groups":
         parts, groups = P.label_groups(cfg, pool, labels, weights, rng, ds.num_classes)
     elif name == "rotation":
-        parts, groups = P.grouped_iid(cfg, pool, labels, weights, rng, 4, "rotation groups (0/90/180/270 degrees)")
+        parts, groups = P.grouped(cfg, pool, labels, weights, rng, ds.num_classes, 4,
+                                    "rotation groups (0/90/180/270 degrees)")
         transforms = [{"rotate": int(g)} if g else {} for g in groups]
     else:  # permutation
-        parts, groups = P.grouped_iid(cfg, pool, labels, weights, rng)
+        parts, groups = P.grouped(cfg, pool, labels, weights, rng, ds.num_classes)
         perms = P.label_permutations(cfg.groups, ds.num_classes, _rng(cfg, 4))
         transforms = [{"perm": perms[g]} if g else {} for g in groups]
     if cfg.samples_per_client > 0:

@@ -3,8 +3,10 @@
 Every function takes the pool (indices into the dataset), the labels, the client-size weights and a numpy
 Generator, and returns (per-client index arrays, per-client group or None). Sizes are relative weights
 (all ones for `equal`, lognormal draws for `lognormal`); the partition turns them into counts.
-Group-based partitions assign clients to groups in contiguous blocks of near-equal size (FedFomo's code:
-K=15, D=4 gives 4/4/4/3), so client i's group is known without reading the data.
+Group-based partitions assign clients to groups either in contiguous blocks of near-equal size (FedFomo's
+code: K=15, D=4 gives 4/4/4/3), or uniformly at random (FedeRiCo's paper: "in this particular random split"
+one group holds a single client). ``group_assign="auto"`` is each paper's way: random for label-groups,
+blocks for latent, rotation and permutation.
 """
 
 from __future__ import annotations
@@ -42,6 +44,18 @@ def counts_from_weights(total: int, weights: np.ndarray, minimum: int = MIN_CLIE
 def blocks(num_clients: int, groups: int) -> np.ndarray:
     """Group of each client: contiguous near-equal blocks."""
     return np.concatenate([np.full(len(b), g) for g, b in enumerate(np.array_split(np.arange(num_clients), groups))])
+
+
+def assign_groups(cfg: Config, rng: np.random.Generator, paper: str) -> np.ndarray:
+    """Group of each client: ``blocks``, or ``random`` (each client uniform over the groups, redrawn until
+    no group is empty, so that ``groups`` means what it says); ``auto`` takes ``paper``, the paper's way."""
+    how = paper if cfg.group_assign == "auto" else cfg.group_assign
+    if how == "blocks":
+        return blocks(cfg.clients, cfg.groups)
+    while True:
+        group_of = rng.integers(cfg.groups, size=cfg.clients)
+        if len(np.unique(group_of)) == cfg.groups:
+            return group_of
 
 
 def _split_by_weights(idx: np.ndarray, weights: np.ndarray) -> list[np.ndarray]:
@@ -93,7 +107,7 @@ def pathological(cfg, pool, y, weights, rng, num_classes):
     return [rng.permutation(np.concatenate(p)) for p in parts], None
 
 
-def dirichlet(cfg, pool, y, weights, rng, num_classes):
+def dirichlet(cfg, pool, y, weights, rng, num_classes, alpha: float | None = None):
     """Per-class proportions over clients q_c ~ Dir(alpha), scaled by the client size weights (Hsu et al. /
     PersFL DS-2, per-class form). Redrawn up to 50 times until every client has MIN_CLIENT_SAMPLES (as
     NIID-Bench does); if that fails, the smallest clients take random samples from the largest."""
@@ -106,7 +120,7 @@ def dirichlet(cfg, pool, y, weights, rng, num_classes):
     for _ in range(50):
         parts: list[list[np.ndarray]] = [[] for _ in range(cfg.clients)]
         for members in by_class:
-            q = rng.dirichlet(np.full(cfg.clients, cfg.alpha)) * w
+            q = rng.dirichlet(np.full(cfg.clients, alpha or cfg.alpha)) * w
             q = q / q.sum() if q.sum() > 0 else w
             cuts = (np.cumsum(q)[:-1] * len(members)).round().astype(np.int64)
             for i, part in enumerate(np.split(members, cuts)):
@@ -144,7 +158,7 @@ def latent(cfg, pool, y, weights, rng, x):
     km = KMeans(n_clusters=cfg.groups, n_init=5, max_iter=100, random_state=seed).fit(feats)
     order = np.argsort(np.argsort(km.cluster_centers_[:, 0]))  # old cluster id -> new id
     cluster = order[km.labels_]
-    group_of = blocks(cfg.clients, cfg.groups)
+    group_of = assign_groups(cfg, rng, "blocks")
     return _fill_groups(pool, cluster, group_of, weights, rng), group_of
 
 
@@ -215,20 +229,26 @@ def majority(cfg, pool, y, weights, rng, num_classes):
 
 def label_groups(cfg, pool, y, weights, rng, num_classes):
     """FedeRiCo (spec 002 §5.1): the classes are shuffled and cut into cfg.groups disjoint near-equal label
-    groups; clients are assigned to groups in even blocks and draw disjoint shares of their group's data."""
+    groups; clients are assigned to groups at random (the paper; ``group_assign=blocks``: even blocks) and
+    draw disjoint shares of their group's data."""
     _check_groups(cfg, num_classes, f"label groups: the dataset has {num_classes} classes")
     label_group = np.empty(num_classes, dtype=np.int64)
     for g, classes in enumerate(np.array_split(rng.permutation(num_classes), cfg.groups)):
         label_group[classes] = g
-    group_of = blocks(cfg.clients, cfg.groups)
+    group_of = assign_groups(cfg, rng, "random")
     return _fill_groups(pool, label_group[y[pool]], group_of, weights, rng), group_of
 
 
-def grouped_iid(cfg, pool, y, weights, rng, limit=None, what=""):
-    """IID data, clients in cfg.groups blocks (rotation / permutation, user-centric spec 003 §S2/S3)."""
+def grouped(cfg, pool, y, weights, rng, num_classes, limit=None, what=""):
+    """Clients in cfg.groups groups (rotation / permutation, user-centric spec 003 §S2/S3), each group's
+    transform applied by the federation. The data is IID, or with ``label_shift`` = α > 0 split by
+    Dirichlet(α) over labels as well (S2: "each with a different label distribution, as in S1", α = 0.4)."""
     _check_groups(cfg, limit, what)
-    parts, _ = iid(cfg, pool, y, weights, rng)
-    return parts, blocks(cfg.clients, cfg.groups)
+    if cfg.label_shift > 0:
+        parts, _ = dirichlet(cfg, pool, y, weights, rng, num_classes, alpha=cfg.label_shift)
+    else:
+        parts, _ = iid(cfg, pool, y, weights, rng)
+    return parts, assign_groups(cfg, rng, "blocks")
 
 
 def label_permutations(groups: int, num_classes: int, rng: np.random.Generator) -> list[list[int]]:

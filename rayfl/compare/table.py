@@ -1,0 +1,104 @@
+"""The paper-style table of a comparison: per algorithm, mean ± std over seeds of final-round metrics.
+
+Input is one row per (algorithm, seed) with that run's final-round summary across clients (the loop's
+``final``); output is one row per algorithm. The std is the sample std over seeds (ddof = 1; NaN with one
+seed). Accuracies are shown in percent, losses as they are.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+
+CLASSIFICATION = ("test_acc_mean", "test_acc_worst", "test_acc_bottom10_mean")
+REGRESSION = ("test_loss_mean", "test_loss_worst", "test_loss_bottom10_mean")
+EXTRA_SUFFIX = "_acc_mean"  # e.g. FedMoE's global_acc_mean, fedavg_test_acc_mean, finetuned_global_acc_mean
+ALSO = ("val_acc_mean",)  # for choosing defaults on validation; never used to pick anything here
+WEIGHTS = ("w_same_group_mean", "cousage_neighbour_mean", "cousage_far_mean")  # FedeRiCo's collaboration
+
+
+def columns(runs: pd.DataFrame) -> list[str]:
+    """The table's metric columns: the three headline ones, then validation, then any extra accuracy
+    column some algorithm reports (FedMoE's four)."""
+    base = CLASSIFICATION if "test_acc_mean" in runs else REGRESSION
+    extra = sorted(c for c in runs.columns if c.endswith(EXTRA_SUFFIX) and c not in (*base, *ALSO)
+                   and not c.startswith("val_"))
+    return [c for c in (*base, *ALSO, *extra, *WEIGHTS) if c in runs]
+
+
+def summarize_runs(runs: pd.DataFrame, order: list[str] | None = None) -> pd.DataFrame:
+    """One row per algorithm: ``<col>`` (mean over seeds), ``<col>_std`` (sample std), ``seeds``."""
+    cols = columns(runs)
+    out = []
+    for algo in order or list(dict.fromkeys(runs["algo"])):
+        sub = runs[runs["algo"] == algo]
+        row = {"algo": algo, "seeds": int(len(sub))}
+        for c in cols:
+            vals = sub[c].dropna().to_numpy(dtype=np.float64)
+            row[c] = float(vals.mean()) if vals.size else math.nan
+            row[f"{c}_std"] = float(vals.std(ddof=1)) if vals.size > 1 else math.nan
+        out.append(row)
+    return pd.DataFrame(out)
+
+
+def with_paper(table: pd.DataFrame, paper: dict) -> pd.DataFrame:
+    """Add ``paper <col>`` columns (percent) where the preset has the paper's value for that algorithm."""
+    table = table.copy()
+    for c in dict.fromkeys(c for values in paper.values() for c in values):
+        table[f"paper {c}"] = [paper.get(a, {}).get(c, math.nan) for a in table["algo"]]
+    return table
+
+
+def _fmt(mean: float, std: float, percent: bool) -> str:
+    if mean != mean:
+        return "-"
+    scale = 100.0 if percent else 1.0
+    digits = 2 if percent else 4
+    text = f"{mean * scale:.{digits}f}"
+    return text + (f" ± {std * scale:.{digits}f}" if std == std else "")
+
+
+def markdown(table: pd.DataFrame) -> str:
+    """The table as Markdown: ``mean ± std`` cells (accuracy in %), then the paper's numbers."""
+    metric_cols = [c for c in table.columns if c not in ("algo", "seeds") and not c.endswith("_std")
+                   and not c.startswith("paper ")]
+    paper_cols = [c for c in table.columns if c.startswith("paper ")]
+    head = ["algorithm", "seeds", *(c + (" (%)" if "_acc" in c else "") for c in metric_cols), *paper_cols]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for _, r in table.iterrows():
+        cells = [str(r["algo"]), str(r["seeds"])]
+        cells += [_fmt(r[c], r[f"{c}_std"], "_acc" in c) for c in metric_cols]
+        cells += ["-" if r[c] != r[c] else f"{r[c]:g}" for c in paper_cols]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def bar_chart(table: pd.DataFrame, title: str = ""):
+    """Bars of the headline columns per algorithm, error bars = std over seeds; the paper's values (where a
+    preset has them) as black markers on their bars."""
+    from rayfl.plots import plt
+
+    cols = [c for c in (*CLASSIFICATION, *REGRESSION) if c in table]
+    percent = cols[0].startswith("test_acc")
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(table)), 4))
+    width = 0.8 / len(cols)
+    x = np.arange(len(table))
+    scale = 100.0 if percent else 1.0
+    for k, c in enumerate(cols):
+        std = table[f"{c}_std"].fillna(0.0).to_numpy() * scale
+        pos = x + (k - (len(cols) - 1) / 2) * width
+        ax.bar(pos, table[c].to_numpy() * scale, width, yerr=std, capsize=3,
+               label=c.replace("test_", "").replace("_", " "))
+        if f"paper {c}" in table:
+            ax.scatter(pos, table[f"paper {c}"], marker="_", s=300, color="black", zorder=3,
+                       label="paper" if not any(t.get_label() == "paper" for t in ax.collections) else None)
+    ax.set_xticks(x)
+    ax.set_xticklabels(table["algo"], rotation=15, ha="right")
+    ax.set_ylabel("test accuracy (%)" if percent else "test loss")
+    ax.set_title(title or "final round, mean ± std over seeds")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig

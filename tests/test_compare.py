@@ -1,0 +1,135 @@
+"""``rayfl compare``: the table math by hand, the same federation for every algorithm of a seed, the user
+errors, and one 2-algorithm x 2-seed comparison on Ray (parent run, 4 children, the table artifact)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from rayfl.compare.run import NO_FINAL_UPDATE, build_configs, final_rows
+from rayfl.compare.table import markdown, summarize_runs, with_paper
+from rayfl.config import UserError
+
+
+def test_mean_and_sample_std_over_seeds_by_hand():
+    runs = pd.DataFrame([
+        {"algo": "a", "seed": 0, "test_acc_mean": 0.90, "test_acc_worst": 0.70, "test_acc_bottom10_mean": 0.70},
+        {"algo": "a", "seed": 1, "test_acc_mean": 0.80, "test_acc_worst": 0.60, "test_acc_bottom10_mean": 0.65},
+        {"algo": "a", "seed": 2, "test_acc_mean": 0.70, "test_acc_worst": 0.50, "test_acc_bottom10_mean": 0.60},
+        {"algo": "b", "seed": 0, "test_acc_mean": 0.50, "test_acc_worst": 0.40, "test_acc_bottom10_mean": 0.45,
+         "global_acc_mean": 0.3},
+    ])
+    t = summarize_runs(runs).set_index("algo")
+    assert t.loc["a", "test_acc_mean"] == pytest.approx(0.80)
+    # sample std of (0.9, 0.8, 0.7): sqrt(((0.1)² + 0 + (0.1)²) / 2) = 0.1
+    assert t.loc["a", "test_acc_mean_std"] == pytest.approx(0.1)
+    assert t.loc["a", "test_acc_bottom10_mean"] == pytest.approx(0.65)
+    assert t.loc["a", "test_acc_bottom10_mean_std"] == pytest.approx(0.05)
+    assert t.loc["a", "seeds"] == 3 and t.loc["b", "seeds"] == 1
+    assert math.isnan(t.loc["b", "test_acc_mean_std"])  # one seed: no spread to report
+    assert math.isnan(t.loc["a", "global_acc_mean"]) and t.loc["b", "global_acc_mean"] == pytest.approx(0.3)
+    md = markdown(with_paper(summarize_runs(runs), {"a": {"test_acc_mean": 91.3}}))
+    assert "| a | 3 | 80.00 ± 10.00 | 60.00 ± 10.00 | 65.00 ± 5.00 | - | 91.3 |" in md
+    assert "| b | 1 | 50.00 |" in md
+
+
+def test_fedfomo_is_shown_with_and_without_its_extra_update():
+    history = [{"stage": "train", "test_acc_mean": 0.5}, {"stage": "train", "test_acc_mean": 0.6},
+               {"stage": "update", "test_acc_mean": 0.7}]
+    rows = final_rows("fedfomo", 3, {"final": history[-1], "history": history, "run_id": "r"})
+    assert [(r["algo"], r["test_acc_mean"]) for r in rows] == [("fedfomo", 0.7), (NO_FINAL_UPDATE, 0.6)]
+    assert len(final_rows("fedavg", 3, {"final": history[-1], "history": history})) == 1
+
+
+def test_every_algorithm_of_a_seed_gets_the_same_federation():
+    from rayfl.data import build_federation, load_dataset
+
+    cfgs = build_configs(["local", "fedavg", "federico"], [0, 1], dataset="digits", partition="label-groups",
+                         groups=3, clients=6, params={"M": 2})
+    assert [(c.algo, c.seed) for c in cfgs] == [(a, s) for a in ("local", "fedavg", "federico") for s in (0, 1)]
+    assert cfgs[4].params == {"M": 2} and cfgs[0].params == {}  # a knob goes to the algorithms that have it
+    ds = load_dataset(cfgs[0])
+    feds = {(c.algo, c.seed): build_federation(c, ds) for c in cfgs}
+    for seed in (0, 1):
+        ref = feds[("local", seed)]
+        for algo in ("fedavg", "federico"):
+            for a, b in zip(ref.clients, feds[(algo, seed)].clients):
+                assert a.group == b.group
+                for split in ("train", "val", "test"):
+                    np.testing.assert_array_equal(getattr(a, split), getattr(b, split))
+    assert not all(np.array_equal(a.train, b.train)
+                   for a, b in zip(feds[("local", 0)].clients, feds[("local", 1)].clients))
+
+
+def test_presets_and_user_errors():
+    cfgs = build_configs(None, [0], "persfl-ds1", data_root="/work/shared/datasets/mnist-t10k", rounds=3)
+    assert [c.algo for c in cfgs] == ["fedavg", "persfl"] and cfgs[0].rounds == 3  # flags override the preset
+    assert cfgs[0].classes_per_client == 4 and cfgs[0].clients == 10
+    with pytest.raises(UserError, match="preset='nope': unknown"):
+        build_configs(None, [0], "nope")
+    with pytest.raises(UserError, match="algos: name the algorithms"):
+        build_configs([], [0])
+    with pytest.raises(UserError, match="algo='fedsgd': unknown"):
+        build_configs(["fedsgd"], [0])
+    with pytest.raises(UserError, match="param lam: none of local,fedavg has this knob"):
+        build_configs(["local", "fedavg"], [0], params={"lam": 0.5})
+    with pytest.raises(UserError, match="seeds"):
+        build_configs(["local"], [0, 0])
+    with pytest.raises(UserError, match="clients=0"):
+        build_configs(["local"], [0], clients=0)
+
+
+def test_cli_errors_are_one_line(capsys):
+    from rayfl.cli import main
+
+    assert main(["compare", "--algos", "local,nope", "--seeds", "0", "--local"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rayfl: error: algo='nope': unknown") and err.count("\n") == 1
+
+
+TINY = dict(dataset="synthetic", partition="iid", clients=3, rounds=2, samples_per_client=60, lr=0.1, batch_size=16)
+
+
+def test_two_algorithms_two_seeds(mlflow_uri, tmp_path):
+    """In process (no Ray): the parent run, its 4 children, the table and chart artifacts."""
+    from mlflow.tracking import MlflowClient
+
+    from rayfl.compare import compare
+
+    res = compare(["local", "fedavg"], [0, 1], runtime="local", tracking_uri=mlflow_uri, experiment="cmp", **TINY)
+    client = MlflowClient(mlflow_uri)
+    parent = client.get_run(res.run_id)
+    assert parent.info.status == "FINISHED" and parent.data.params["compare_algos"] == "local,fedavg"
+    children = client.search_runs([parent.info.experiment_id],
+                                  f"tags.mlflow.parentRunId = '{res.run_id}'")
+    assert len(children) == 4 and all(c.info.status == "FINISHED" for c in children)
+    by_run = {c.info.run_id: c for c in children}
+    for _, r in res.runs.iterrows():  # each table row is its child run's final round
+        assert by_run[r["run_id"]].data.metrics["final_test_acc_mean"] == pytest.approx(r["test_acc_mean"])
+    assert list(res.table["algo"]) == ["local", "fedavg"] and list(res.table["seeds"]) == [2, 2]
+    local = res.runs[res.runs.algo == "local"]["test_acc_mean"]
+    assert res.table.loc[0, "test_acc_mean_std"] == pytest.approx(np.std(local, ddof=1))
+    arts = {a.path for a in client.list_artifacts(res.run_id, "compare")}
+    assert {"compare/table.csv", "compare/table.md", "compare/runs.csv", "compare/comparison.png"} <= arts
+    table = pd.read_csv(client.download_artifacts(res.run_id, "compare/table.csv", str(tmp_path)))
+    assert table["test_acc_mean"].tolist() == pytest.approx(res.table["test_acc_mean"].tolist())
+    assert parent.data.metrics["fedavg/test_acc_mean"] == pytest.approx(res.table.loc[1, "test_acc_mean"])
+
+
+def test_concurrent_launches_on_ray(ray_session, mlflow_uri):
+    """The Ray path: two experiments at once, each a child run of the parent, same numbers as in process."""
+    from mlflow.tracking import MlflowClient
+
+    from rayfl.compare import compare
+
+    kw = dict(tracking_uri=mlflow_uri, experiment="cmp-ray", clients_per_actor=3, **TINY)
+    res = compare(["fedavg"], [0, 1], max_concurrent=2, **kw)
+    client = MlflowClient(mlflow_uri)
+    children = client.search_runs([client.get_run(res.run_id).info.experiment_id],
+                                  f"tags.mlflow.parentRunId = '{res.run_id}'")
+    assert len(children) == 2 and all(c.info.status == "FINISHED" for c in children)
+    local = compare(["fedavg"], [0, 1], runtime="local", **kw)
+    assert res.runs["test_acc_mean"].tolist() == pytest.approx(local.runs["test_acc_mean"].tolist())
