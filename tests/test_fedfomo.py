@@ -122,10 +122,12 @@ def test_p_update_uses_raw_w_and_stores_uploads():
         expected[j] += -0.5 if j == 3 else 0.3  # raw w, negative too
     np.testing.assert_allclose(srv.P[0], expected)
     assert srv.W[0, 0] == 0.4 and srv.W[0, 3] == 0.0
-    srv.W[1] = 7.0  # the last round's row is replaced, not added to: models not downloaded now get 0
+    srv.W[1] = 7.0  # the last round's row is replaced, not added to: models not downloaded now get NaN
     srv.run_round(Stage("train", 3), 2, [1], call)
-    assert srv.W[1, 1] == 0.4 and sorted(np.flatnonzero(srv.W[1]).tolist()) == sorted(
-        [1] + [j for j in sent[1]["models"]["peers"] if j != 3])
+    candidates = sorted([1] + list(sent[1]["models"]["peers"]))
+    assert srv.W[1, 1] == 0.4 and sorted(np.flatnonzero(~np.isnan(srv.W[1])).tolist()) == candidates
+    assert sorted(np.flatnonzero(np.nan_to_num(srv.W[1])).tolist()) == sorted(
+        [1] + [j for j in sent[1]["models"]["peers"] if j != 3])  # model 3 lost: downloaded, weight 0
     np.testing.assert_array_equal(srv.uploads[0], np.full(3, 10.0))  # replaced, never averaged
     np.testing.assert_array_equal(srv.uploads[2], np.full(3, 2.0))  # non-participant: kept
     assert metrics["epsilon"] == 0.0 and metrics["train_loss"] == 1.0

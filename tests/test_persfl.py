@@ -190,8 +190,8 @@ def test_final_fedavg_model_is_a_teacher_candidate():
     logic.init_client(c)
     logic.track(c, np.array([0, 0.0], np.float32), 0)
     logic.track(c, np.array([1, 0.0], np.float32), 1)
-    up = logic.step_select_teacher(c, {"round": 2}, {"global": np.array([2, 0.0], np.float32)})
-    assert (up["teacher_round"], up["teacher_loss"]) == (2, 0.5)
+    logic.step_select_teacher(c, {"round": 2}, {"global": np.array([2, 0.0], np.float32)})
+    assert (c.state["teacher_round"], c.state["teacher_loss"]) == (2, 0.5)
     np.testing.assert_array_equal(c.state["teacher"], [2.0, 0.0])
 
 
@@ -200,7 +200,7 @@ def test_paper_defaults():
     p = PersFLParams()
     assert p.lam_grid == (0.0, 0.25, 0.5, 0.75, 1.0)
     assert p.T_grid == (1.0, 5.0, 9.0, 13.0, 17.0, 21.0, 25.0)
-    assert (p.lam, p.T, p.distill_epochs, p.variant, p.teacher, p.stage1_cache) == (0.5, 1.0, 0, "sgd", "best", "")
+    assert (p.lam, p.T, p.distill_epochs, p.variant, p.teacher) == (0.5, 1.0, 0, "sgd", "best")
 
 
 def test_teacher_logits_cover_clients_larger_than_one_chunk():
