@@ -51,6 +51,9 @@ GROUPS = {
         "eval_every": "evaluate every client every N rounds (the last round always)",
         "client_metrics": "per-client values also as MLflow metrics for up to N clients (always as a table)",
         "checkpoint_every": "checkpoint every N rounds (0: never); resume with --resume DIR",
+        "snapshot_every": "in-memory snapshot of every client every N rounds, replayed from when an actor dies "
+                          "(0: only at the start)",
+        "max_restarts": "dead client actors / driver restarts survived before the run fails",
         "out_dir": "where run directories (config, checkpoints) go",
         "tracking_uri": "MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)",
         "experiment": "MLflow experiment name",

@@ -101,13 +101,15 @@ class Writer:
 
 class MlflowTracker(Callback):
     def __init__(self, tracking_uri: str, experiment_id: str, run_name: str | None = None,
-                 parent_run_id: str | None = None, extra_params: dict | None = None):
+                 parent_run_id: str | None = None, extra_params: dict | None = None, run_id: str | None = None):
+        """``run_id``: an MLflow run to reopen and go on with (a driver restarted after its predecessor died)."""
         self.uri = tracking_uri
         self.experiment_id = experiment_id
         self.run_name = run_name
         self.parent_run_id = parent_run_id
         self.extra_params = extra_params or {}
         self.run_id: str | None = None
+        self.reopen = run_id
         self.client_metrics = False
         self.writer: Writer | None = None
         self._tmp = tempfile.mkdtemp(prefix="rayfl-artifacts-")
@@ -156,7 +158,9 @@ class MlflowTracker(Callback):
         mlflow.set_tracking_uri(self.uri)
         self._client = MlflowClient(self.uri)
         resume_file = os.path.join(loop.checkpoint_dir, "mlflow_run_id") if loop.checkpoint_dir else None
-        if loop.start_step > 0 and resume_file and os.path.isfile(resume_file):
+        if self.reopen:
+            run = mlflow.start_run(run_id=self.reopen)
+        elif loop.start_step > 0 and resume_file and os.path.isfile(resume_file):
             run = mlflow.start_run(run_id=open(resume_file).read().strip())
         else:
             run = mlflow.start_run(experiment_id=self.experiment_id, run_name=self.run_name,
@@ -204,6 +208,16 @@ class MlflowTracker(Callback):
             self._log_metrics(values, step)
             for name, arr in arrays.items():
                 self._log_array(f"{name}_{step:04d}.npy", arr, f"rounds/{name}")
+
+        self._submit(job)
+
+    def on_recover(self, loop, event) -> None:
+        """Client actors died and were restarted: a tag with the count so far, and a metric at the round."""
+        n, step = event["restarts"], event["step"]
+
+        def job():
+            self._client.set_tag(self.run_id, "rayfl.client_restarts", str(n))
+            self._log_metrics({"client_restarts": float(n)}, step)
 
         self._submit(job)
 
