@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import math
 import pickle
 import struct
 
@@ -13,27 +12,9 @@ import pandas as pd
 import pytest
 import torch
 
+from conftest import same
 from rayfl import snapshot
 from rayfl.snapshot import MAGIC, SnapshotError
-
-
-def same(a, b) -> bool:
-    """Equal, type for type (np.float32 is not float, a tuple is not a list)."""
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, np.ndarray):
-        return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b, equal_nan=a.dtype.kind == "f")
-    if isinstance(a, torch.Tensor):
-        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, pd.DataFrame):
-        return list(a.columns) == list(b.columns) and a.equals(b)
-    if isinstance(a, dict):
-        return list(a) == list(b) and all(same(k1, k2) and same(a[k1], b[k2]) for k1, k2 in zip(a, b))
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    if isinstance(a, float) and math.isnan(a):
-        return math.isnan(b)
-    return a == b
 
 
 def test_everything_rayfl_keeps_round_trips_exactly():
