@@ -46,6 +46,21 @@ def same(a, b) -> bool:
     return a == b
 
 
+class Payload:
+    """Unpickling this writes the file ``marker``: proof that loading ran code."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return touch, (self.marker,)
+
+
+def touch(path):
+    with open(path, "w") as f:
+        f.write("code ran")
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """Our own Ray instance (never someone else's), shut down at the end; never `ray stop`."""

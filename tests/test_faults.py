@@ -3,16 +3,16 @@ checkpoint, and the result is the uninterrupted run's. Loading a checkpoint neve
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import signal
 
-import mlflow
-import numpy as np
 import pytest
+import torch
 from mlflow.tracking import MlflowClient
 
-from conftest import same, tiny
+from conftest import Payload, same, tiny
 from rayfl import snapshot
 from rayfl.config import UserError
 from rayfl.experiment import prepare
@@ -123,20 +123,6 @@ def test_too_many_client_faults_end_the_run_naming_the_cause():
 # --------------------------------------------------------------------------------------------------
 # checkpoints: refused when not this config's or this version's, and never unpickled
 # --------------------------------------------------------------------------------------------------
-class Payload:
-    """Unpickling this writes a marker file: proof that loading ran code."""
-
-    marker = ""
-
-    def __reduce__(self):
-        return _touch, (Payload.marker,)
-
-
-def _touch(path):
-    with open(path, "w") as f:
-        f.write("code ran")
-
-
 def _checkpoint(tmp_path, **kw):
     cfg = tiny(algo="fedavg", rounds=2, checkpoint_every=1, **kw)
     p = prepare(cfg)
@@ -146,18 +132,14 @@ def _checkpoint(tmp_path, **kw):
 
 def test_a_checkpoint_with_a_pickle_payload_is_refused_without_running_it(tmp_path):
     marker = tmp_path / "pwned"
-    Payload.marker = str(marker)
     cfg, state = _checkpoint(tmp_path / "run")
     p = prepare(cfg)
     run_dir = tmp_path / "run"
     path = run_dir / CHECKPOINT_FILE
 
     # 1. a client's state replaced by a pickle (what torch.save writes) inside a valid checkpoint
-    import torch
-    import io
-
     buf = io.BytesIO()
-    torch.save({"model": Payload()}, buf)
+    torch.save({"model": Payload(marker)}, buf)
     state["clients"][0] = buf.getvalue()
     snapshot.save(str(path), state)
     with pytest.raises(UserError, match=r"checkpoint=.*unreadable"):
@@ -166,14 +148,14 @@ def test_a_checkpoint_with_a_pickle_payload_is_refused_without_running_it(tmp_pa
     for name in (CHECKPOINT_FILE, "checkpoint.pkl"):
         os.remove(path) if path.exists() else None
         with open(run_dir / name, "wb") as f:
-            pickle.dump({"step": 0, "server": Payload()}, f)
+            pickle.dump({"step": 0, "server": Payload(marker)}, f)
         assert Loop.has_checkpoint(str(run_dir))
         with pytest.raises(UserError, match="checkpoint=") as e:
             Loop(p, LocalRuntime(p), checkpoint_dir=str(run_dir)).run()
         assert "\n" not in str(e.value)
         os.remove(run_dir / name)
     assert not marker.exists()
-    pickle.loads(pickle.dumps(Payload()))
+    pickle.loads(pickle.dumps(Payload(marker)))
     assert marker.exists()  # the payload was live
 
 

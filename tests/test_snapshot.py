@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 import torch
 
-from conftest import same
+from conftest import Payload, same
 from rayfl import snapshot
 from rayfl.snapshot import MAGIC, SnapshotError
 
@@ -72,28 +72,13 @@ def craft(tree, arrays=(), metas=None) -> bytes:
     return MAGIC + struct.pack("<Q", len(head)) + head + b"".join(a.tobytes() for a in arrays)
 
 
-class Payload:
-    """Unpickling this writes a marker file: proof that loading ran code."""
-
-    marker = ""
-
-    def __reduce__(self):
-        return _touch, (Payload.marker,)
-
-
-def _touch(path):
-    with open(path, "w") as f:
-        f.write("code ran")
-
-
 def test_pickles_and_crafted_headers_are_refused_without_running_anything(tmp_path):
     marker = tmp_path / "pwned"
-    Payload.marker = str(marker)
-    evil_pickle = pickle.dumps({"model": Payload()})
+    evil_pickle = pickle.dumps({"model": Payload(marker)})
     buf = io.BytesIO()
-    torch.save({"model": Payload()}, buf)
+    torch.save({"model": Payload(marker)}, buf)
     np_buf = io.BytesIO()
-    np.save(np_buf, np.array([Payload()], dtype=object), allow_pickle=True)
+    np.save(np_buf, np.array([Payload(marker)], dtype=object), allow_pickle=True)
     cases = {
         "pickle": evil_pickle,
         "torch.save": buf.getvalue(),
