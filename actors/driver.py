@@ -2,8 +2,9 @@
 
 It answers ``poll`` while ``run`` works (two concurrent calls), so that whoever submitted the run, the
 CLI or a Tune trial, sees each round as it ends, and the MLflow run it writes to. When a driver dies, the
-submitter starts another (``actors.launch``) with ``resume``: the MLflow run to reopen and the last round
-already shown, so the new driver goes on from the last checkpoint without showing a round twice.
+submitter starts another (``actors.launch``) with ``resume``: the MLflow run to reopen. The new driver goes
+on from the last checkpoint and logs the rounds since again (its predecessor's writer may not have written
+them); the submitter shows each round once.
 """
 
 from __future__ import annotations
@@ -68,7 +69,6 @@ class DriverActor:
                                   if self.tracking is not None else None)  # None: benchmarks
         callbacks = [tracker, self.queue] if tracker else [self.queue]
         loop = self.loop = Loop(self.prepared, runtime, callbacks, self.checkpoint_dir)
-        loop.reported = self.resume.get("reported", -1)
         try:
             loop.run()
         except RunStopped:

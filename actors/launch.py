@@ -55,7 +55,7 @@ def launch(prepared, tracking: dict | None, checkpoint_dir: str | None = None,
     light = dataclasses.replace(prepared, dataset=dataclasses.replace(ds, x=None, y=None))
     seen = {"run_id": None, "step": -1, "since": time.time()}
     for attempt in range(cfg.max_restarts + 1):
-        resume = {"run_id": _run_id(seen, checkpoint_dir), "reported": seen["step"]} if attempt else None
+        resume = {"run_id": _run_id(seen, checkpoint_dir)} if attempt else None
         driver = DriverActor.options(num_cpus=DRIVER_CPUS, **(driver_options or {})).remote(
             light, x_ref, y_ref, resources, n_actors, tracking, checkpoint_dir, actor_options, resume)
         try:

@@ -98,9 +98,9 @@ class Loop:
     def run(self) -> "Loop":
         if self.checkpoint_dir:
             self.try_resume()
-        self.reported = max(self.reported, self.start_step - 1)  # a restarted driver is told what was shown
+        self.reported = self.start_step - 1
         self.setup_done = self.start_step > 0
-        self.setup_reported = self.setup_done or self.reported >= 0
+        self.setup_reported = self.setup_done
         for cb in self.callbacks:
             cb.on_start(self)
         schedule = self.schedule()

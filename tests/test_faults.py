@@ -59,9 +59,9 @@ class FaultyRuntime(LocalRuntime):
         super().__init__(prepared)
         self.prepared, self.fail_at, self.calls = prepared, fail_at, 0
 
-    def call(self, step, messages):
+    def call(self, step, messages, reduce=None):
         self.calls += 1
-        out = super().call(step, messages)
+        out = super().call(step, messages, reduce)
         if self.calls in self.fail_at:
             self.hosts[0] = LocalRuntime(self.prepared).hosts[0]
             raise ClientsLost(f"host 0 lost in call {self.calls} ({step})")
