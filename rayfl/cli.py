@@ -341,6 +341,7 @@ def load_run_dir(run_dir: str):
     if not Loop.has_checkpoint(run_dir):
         raise UserError(f"--resume {run_dir!r}: no checkpoint there to go on from (the run saved none: "
                         f"--checkpoint-every N); start it again without --resume")
+    Loop.read_checkpoint(run_dir, cfg)  # another version's, another config's, or not plain data: refused now
     return cfg
 
 
