@@ -30,7 +30,7 @@ from rayfl.experiment import prepare  # noqa: E402
 MNIST = "/work/shared/datasets/mnist-t10k"
 
 
-def in_process(prepared, per_actor: int, repeats: int = 5) -> tuple[float, float]:
+def in_process(prepared, per_actor: int, repeats: int = 7) -> tuple[float, float]:
     """Median seconds of one FedAvg training round and of one state() call, for one host of per_actor clients."""
     from rayfl.host import ClientHost
 
@@ -40,6 +40,7 @@ def in_process(prepared, per_actor: int, repeats: int = 5) -> tuple[float, float
                       {c: fed.clients[c] for c in range(per_actor)}, prepared.initial)
     items = [(c, {"models": {"global": prepared.initial}}) for c in range(per_actor)]
     rounds, states = [], []
+    host.run("train", items), host.state()  # warm-up: torch's and numpy's first-call costs
     for _ in range(repeats):
         t0 = time.perf_counter()
         host.run("train", items)
@@ -72,6 +73,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--repeats", type=int, default=2, help="pairs of Ray runs (with, without snapshots)")
     ap.add_argument("--model", default="mlp-784-100")
+    ap.add_argument("--no-ray", action="store_true", help="only the in-process measurement (1.)")
     args = ap.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
@@ -90,6 +92,10 @@ def main() -> None:
                                  "clients_per_actor": per_actor, "torch_threads": 1})
         prepared = prepare(cfg)
         train_s, state_s = in_process(prepared, per_actor)
+        if args.no_ray:
+            print(f"| {n} | {per_actor} | {state_s:.4f} | {train_s:.4f} | {state_s / train_s:.1%} | - | - | - | - |",
+                  flush=True)
+            continue
         with_s, without_s, driver_s = [], [], []
         ray.init(address="local", num_cpus=cpus, include_dashboard=False, logging_level="ERROR")
         try:
