@@ -1,11 +1,15 @@
 """DriverActor: runs the shared round loop with the clients in client actors, and tracks the run.
 
 It answers ``poll`` while ``run`` works (two concurrent calls), so that whoever submitted the run, the
-CLI or a Tune trial, sees each round as it ends.
+CLI or a Tune trial, sees each round as it ends, and the MLflow run it writes to. When a driver dies, the
+submitter starts another (``actors.launch``) with ``resume``: the MLflow run to reopen. The new driver goes
+on from the last checkpoint and logs the rounds since again (its predecessor's writer may not have written
+them); the submitter shows each round once.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -25,7 +29,12 @@ class RoundQueue(Callback):
         with self._lock:
             self._items.append({"step": record.step, "stage": record.stage, "metrics": record.metrics,
                                 "participants": len(record.participants), "total": len(loop.schedule()),
-                                "time": time.time()})  # when the round ended, evaluation and logging included
+                                "time": time.time(),  # when the round ended, evaluation and logging included
+                                "driver_pid": os.getpid()})
+
+    def on_recover(self, loop, event) -> None:
+        with self._lock:
+            self._items.append({"event": "client_restart", **event, "max_restarts": loop.cfg.max_restarts})
 
     def drain(self) -> list[dict]:
         with self._lock:
@@ -36,13 +45,15 @@ class RoundQueue(Callback):
 @ray.remote(max_concurrency=2)
 class DriverActor:
     def __init__(self, prepared, x_ref, y_ref, resources, n_actors: int, tracking: dict,
-                 checkpoint_dir: str | None, actor_options=None):
+                 checkpoint_dir: str | None, actor_options=None, resume: dict | None = None):
         self.prepared, self.x_ref, self.y_ref = prepared, x_ref, y_ref
         self.resources, self.n_actors = resources, n_actors
         self.tracking, self.checkpoint_dir = tracking, checkpoint_dir
         self.actor_options = actor_options
+        self.resume = resume or {}
         self.queue = RoundQueue()
         self.loop = None
+        self.tracker = None
         # the client actors start now, while this process goes on to import MLflow and open the run
         from rayfl.actors.runtime import RayRuntime
 
@@ -54,7 +65,8 @@ class DriverActor:
         from rayfl.tracking import MlflowTracker
 
         runtime = self.runtime
-        tracker = MlflowTracker(**self.tracking) if self.tracking is not None else None  # None: benchmarks
+        tracker = self.tracker = (MlflowTracker(**self.tracking, run_id=self.resume.get("run_id"))
+                                  if self.tracking is not None else None)  # None: benchmarks
         callbacks = [tracker, self.queue] if tracker else [self.queue]
         loop = self.loop = Loop(self.prepared, runtime, callbacks, self.checkpoint_dir)
         try:
@@ -70,10 +82,11 @@ class DriverActor:
         finally:
             runtime.shutdown()
         return {"final": loop.final, "history": loop.history, "per_client": loop.last_eval,
-                "run_id": tracker.run_id if tracker else None}
+                "run_id": tracker.run_id if tracker else None, "client_restarts": loop.restarts}
 
-    def poll(self) -> list[dict]:
-        return self.queue.drain()
+    def poll(self) -> dict:
+        """Rounds (and client restarts) since the last poll, and the MLflow run id once the run has one."""
+        return {"records": self.queue.drain(), "run_id": self.tracker.run_id if self.tracker else None}
 
     def stop(self) -> None:
         """Ask the loop to end before its next round (the run is closed as KILLED, checkpoints kept)."""

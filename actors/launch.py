@@ -1,8 +1,16 @@
-"""Submit one experiment to Ray: data into the object store once, a DriverActor, progress as it runs."""
+"""Submit one experiment to Ray: data into the object store once, a DriverActor, progress as it runs.
+
+A driver actor that dies (its process killed, its node lost) is replaced, at most ``max_restarts`` times:
+the new driver goes on from the last checkpoint (from round 1 when there is none) in the same MLflow run.
+When it cannot, the MLflow run is closed as FAILED, never left RUNNING.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
+import time
 from typing import Callable
 
 import ray
@@ -12,16 +20,24 @@ from rayfl.actors.resources import DRIVER_CPUS, n_actors_for, plan_actor_resourc
 from rayfl.config import UserError
 
 
+class DriverLost(RuntimeError):
+    """The driver actor died more often than max_restarts allows."""
+
+
 def launch(prepared, tracking: dict | None, checkpoint_dir: str | None = None,
            on_round: Callable[[dict], None] | None = None, resources=None, driver_options: dict | None = None,
            actor_options: list[dict] | None = None, poll_seconds: float = 0.25,
            stop_grace_seconds: float = 30.0, cluster_may_grow: bool = False) -> dict:
-    """Run ``prepared`` on the connected Ray cluster; ``on_round`` sees each round's record. ``tracking``
+    """Run ``prepared`` on the connected Ray cluster; ``on_round`` sees each round's record once. ``tracking``
     names the MLflow run to log to (None: no MLflow at all, for benchmarks that measure its cost).
 
     A request larger than the cluster is a user error on a private local instance; on a cluster that
     may grow (an autoscaling one we connected to) it only warns, and the actors wait for nodes."""
+    from rayfl.loop import Loop
+
     cfg = prepared.cfg
+    if checkpoint_dir:
+        Loop.read_checkpoint(checkpoint_dir, cfg)  # a checkpoint of another config or version: refused here
     if resources is None:
         try:
             n_actors, resources = preflight(cfg, ray.cluster_resources())
@@ -37,21 +53,105 @@ def launch(prepared, tracking: dict | None, checkpoint_dir: str | None = None,
     # Wrapped in a list so the driver receives the refs themselves, not the arrays.
     x_ref, y_ref = [ray.put(ds.x)], [ray.put(ds.y)]
     light = dataclasses.replace(prepared, dataset=dataclasses.replace(ds, x=None, y=None))
-    driver = DriverActor.options(num_cpus=DRIVER_CPUS, **(driver_options or {})).remote(
-        light, x_ref, y_ref, resources, n_actors, tracking, checkpoint_dir, actor_options)
+    seen = {"run_id": None, "step": -1, "since": time.time()}
+    for attempt in range(cfg.max_restarts + 1):
+        resume = {"run_id": _run_id(seen, checkpoint_dir)} if attempt else None
+        driver = DriverActor.options(num_cpus=DRIVER_CPUS, **(driver_options or {})).remote(
+            light, x_ref, y_ref, resources, n_actors, tracking, checkpoint_dir, actor_options, resume)
+        try:
+            result = _follow(driver, seen, on_round, poll_seconds, stop_grace_seconds)
+        except ray.exceptions.RayActorError as e:
+            if isinstance(e, ray.exceptions.RayTaskError):  # the run failed inside a live driver
+                raise
+            lost = e
+            left = cfg.max_restarts - attempt
+            print(f"rayfl: the driver actor died ({_first_line(e)}); "
+                  + (f"starting a new one from the last checkpoint ({left} restart(s) left)" if left else
+                     f"giving up after max_restarts={cfg.max_restarts}"), file=sys.stderr, flush=True)
+            continue
+        except ray.exceptions.RayTaskError as e:
+            if isinstance(e.cause, UserError):
+                raise e.cause from None
+            raise
+        finally:
+            ray.kill(driver)
+        if attempt:
+            _tag_restarts(tracking, result["run_id"], attempt)
+        return result
+    run_id = _run_id(seen, checkpoint_dir)
+    _close_failed(tracking, run_id, attempt)
+    raise DriverLost(f"the driver actor died {cfg.max_restarts + 1} times (max_restarts={cfg.max_restarts}); "
+                     f"last: {_first_line(lost)}") from lost
+
+
+def _follow(driver, seen: dict, on_round, poll_seconds: float, stop_grace_seconds: float) -> dict:
+    """Run the driver to its end, passing on each round not shown before; its result."""
     done = driver.run.remote()
     try:
         while True:
             ready, _ = ray.wait([done], timeout=poll_seconds)
-            for rec in ray.get(driver.poll.remote()):
-                if on_round:
-                    on_round(rec)
+            polled = ray.get(driver.poll.remote())
+            seen["run_id"] = polled["run_id"] or seen["run_id"]
+            for rec in polled["records"]:
+                if rec.get("event") == "client_restart":
+                    print(f"rayfl: client actor lost in round {rec['step'] + 1} ({rec['cause']}); restarted, every "
+                          f"client restored to round {rec['from_step'] + 1} and replayed "
+                          f"(restart {rec['restarts']} of at most {rec['max_restarts']})", file=sys.stderr, flush=True)
+                elif rec["step"] > seen["step"]:
+                    seen["step"] = rec["step"]
+                    if on_round:
+                        on_round(rec)
             if ready:
                 return ray.get(done)
+    except ray.exceptions.RayActorError as e:
+        if not isinstance(e, ray.exceptions.RayTaskError):
+            raise  # the driver is dead: nothing to stop
+        _stop(driver, done, stop_grace_seconds)
+        raise
     except BaseException:
         # Interrupted here (Ctrl-C, a failing callback): let the driver close its MLflow run cleanly.
-        driver.stop.remote()
-        ray.wait([done], timeout=stop_grace_seconds)
+        _stop(driver, done, stop_grace_seconds)
         raise
-    finally:
-        ray.kill(driver)
+
+
+def _stop(driver, done, grace: float) -> None:
+    try:
+        driver.stop.remote()
+        ray.wait([done], timeout=grace)
+    except ray.exceptions.RayError:
+        pass
+
+
+def _run_id(seen: dict, checkpoint_dir: str | None) -> str | None:
+    """The MLflow run the dead driver wrote to: as polled, else as it recorded in the checkpoint directory
+    (a driver can die before its first poll)."""
+    if seen["run_id"] or not checkpoint_dir:
+        return seen["run_id"]
+    path = os.path.join(checkpoint_dir, "mlflow_run_id")
+    if os.path.isfile(path) and os.path.getmtime(path) >= seen["since"]:
+        with open(path) as f:
+            return f.read().strip() or None
+    return None
+
+
+def _tag_restarts(tracking: dict | None, run_id: str | None, n: int) -> None:
+    from mlflow.tracking import MlflowClient
+
+    if tracking and run_id:
+        MlflowClient(tracking["tracking_uri"]).set_tag(run_id, "rayfl.driver_restarts", str(n))
+
+
+def _close_failed(tracking: dict | None, run_id: str | None, restarts: int) -> None:
+    """A driver that died cannot close its MLflow run: do it here, so that no run stays RUNNING."""
+    from mlflow.tracking import MlflowClient
+
+    if not tracking or not run_id:
+        return
+    client = MlflowClient(tracking["tracking_uri"])
+    client.set_tag(run_id, "rayfl.driver_restarts", str(restarts))
+    if client.get_run(run_id).info.status == "RUNNING":
+        client.set_terminated(run_id, "FAILED")
+
+
+def _first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"

@@ -1,13 +1,21 @@
-"""RayRuntime: the clients live in ClientActors; one actor call per host per step, gathered at once."""
+"""RayRuntime: the clients live in ClientActors; one actor call per host per step, gathered at once.
+
+Client actors are restartable (Ray re-creates a dead one with the same arguments): a call that meets a
+dead actor, or an object it owned, raises :class:`~rayfl.runtime.ClientsLost`, and the loop restores every
+client from its last snapshot (:meth:`save_clients`) and replays the rounds since.
+"""
 
 from __future__ import annotations
+
+import time
+from contextlib import contextmanager
 
 import ray
 
 from rayfl.actors.client import ClientActor
 from rayfl.actors.handles import resolve
 from rayfl.actors.resources import ActorResources
-from rayfl.runtime import assign_hosts, gather, group_by_host
+from rayfl.runtime import ClientsLost, assign_hosts, gather, group_by_host
 
 
 class RayRuntime:
@@ -16,10 +24,11 @@ class RayRuntime:
         cfg, fed = prepared.cfg, prepared.federation
         blocks = assign_hosts(cfg.clients, n_actors)
         self.host_of = {c: h for h, block in enumerate(blocks) for c in block}
-        initial_ref = ray.put(prepared.initial)
+        initial_ref = self.initial_ref = ray.put(prepared.initial)  # kept: Ray needs it again to restart an actor
         self.resources = resources
         self.actors = [
-            ClientActor.options(**resources.options(), **(scheduling(h) if scheduling else {})).remote(
+            ClientActor.options(**resources.options(), max_restarts=cfg.max_restarts,
+                                **(scheduling(h) if scheduling else {})).remote(
                 cfg, prepared.model_spec, prepared.info.task, x_ref, y_ref,
                 {c: fed.clients[c] for c in block}, initial_ref, fed.holdout)
             for h, block in enumerate(blocks)
@@ -28,23 +37,58 @@ class RayRuntime:
     def call(self, step, messages, reduce=None):
         batches = group_by_host(messages, self.host_of)
         refs = [self.actors[h].run.remote(step, items, reduce) for h, items in batches.items()]
-        return gather(batches, ray.get(refs), reduce)
+        with clients_lost():
+            results = ray.get(refs)
+        return gather(batches, results, reduce)
 
     def put(self, obj):
         return ray.put(obj)
 
     def get(self, handles):
-        return resolve(list(handles))
+        with clients_lost():  # a handle whose owner (a client actor) died
+            return resolve(list(handles))
 
     def client_states(self):
-        return {cid: blob for part in ray.get([a.state.remote() for a in self.actors]) for cid, blob in part.items()}
+        with clients_lost():
+            parts = ray.get([a.state.remote() for a in self.actors])
+        return {cid: blob for part in parts for cid, blob in part.items()}
 
     def load_client_states(self, states):
-        ray.get([a.load_state.remote({c: s for c, s in states.items() if self.host_of[c] == h})
-                 for h, a in enumerate(self.actors)])
+        with clients_lost():
+            ray.get([a.load_state.remote({c: s for c, s in states.items() if self.host_of[c] == h})
+                     for h, a in enumerate(self.actors)])
+
+    def save_clients(self):
+        """One call per actor, not waited for: the results are owned by this process, so they outlive an actor
+        that dies afterwards (they stay in the object store of its node)."""
+        return [a.state.remote() for a in self.actors]
+
+    def restore_clients(self, saved):
+        with clients_lost():  # a restarted actor that died again, or a snapshot that died with its actor
+            self.await_actors()
+            ray.get([a.load_state.remote(ref) for a, ref in zip(self.actors, saved)])
+
+    def await_actors(self, timeout_s: float = 300.0) -> None:
+        """Wait while Ray restarts dead actors (a call meanwhile fails with ActorUnavailableError)."""
+        deadline = time.monotonic() + timeout_s
+        pending = list(self.actors)
+        while pending:
+            ready = []
+            for a in pending:
+                try:
+                    ray.get(a.info.remote())
+                    ready.append(a)
+                except ray.exceptions.ActorUnavailableError:
+                    if time.monotonic() > deadline:
+                        raise
+            pending = [a for a in pending if a not in ready]
+            if pending:
+                time.sleep(0.2)
 
     def client_vectors(self):
-        return {cid: v for part in ray.get([a.vectors.remote() for a in self.actors]) for cid, v in part.items()}
+        with clients_lost():
+            parts = ray.get([a.vectors.remote() for a in self.actors])
+        return {cid: v for part in parts for cid, v in part.items()}
 
     def placement(self):
         infos = ray.get([a.info.remote() for a in self.actors])
@@ -55,3 +99,20 @@ class RayRuntime:
         for a in self.actors:
             ray.kill(a)
         self.actors = []
+
+
+LOST = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)
+
+
+@contextmanager
+def clients_lost():
+    """Ray's errors for a dead client actor (or an object it owned, read by the driver or another actor)
+    as ClientsLost; every other error passes unchanged."""
+    try:
+        yield
+    except ray.exceptions.RayError as e:
+        cause = e.cause if isinstance(e, ray.exceptions.RayTaskError) and e.cause is not None else e
+        if not isinstance(cause, LOST) and not isinstance(e, LOST):
+            raise
+        first = (str(cause).strip().splitlines() or [""])[0]
+        raise ClientsLost(f"{type(cause).__name__}: {first}") from e

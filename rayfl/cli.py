@@ -53,6 +53,9 @@ GROUPS = {
         "eval_every": "evaluate every client every N rounds (the last round always)",
         "client_metrics": "per-client values also as MLflow metrics for up to N clients (always as a table)",
         "checkpoint_every": "checkpoint every N rounds (0: never); resume with --resume DIR",
+        "snapshot_every": "in-memory snapshot of every client every N rounds, replayed from when an actor dies "
+                          "(0: only at the start)",
+        "max_restarts": "dead client actors / driver restarts survived before the run fails",
         "out_dir": "where run directories (config, checkpoints) go",
         "tracking_uri": "MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)",
         "experiment": "MLflow experiment name",
@@ -345,6 +348,7 @@ def load_run_dir(run_dir: str):
     if not Loop.has_checkpoint(run_dir):
         raise UserError(f"--resume {run_dir!r}: no checkpoint there to go on from (the run saved none: "
                         f"--checkpoint-every N); start it again without --resume")
+    Loop.read_checkpoint(run_dir, cfg)  # another version's, another config's, or not plain data: refused now
     return cfg
 
 

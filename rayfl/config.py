@@ -66,6 +66,8 @@ class Config:
     eval_every: int = 1
     client_metrics: int = 100  # per-client values also as MLflow metrics up to this many clients (0: never)
     checkpoint_every: int = 0  # 0: no checkpoints
+    snapshot_every: int = 1  # in-memory snapshot of every client every N rounds, to replay from after a fault
+    max_restarts: int = 3  # client-actor and driver restarts survived per run before it fails
     out_dir: str = "rayfl-runs"
     tracking_uri: str | None = None  # None: MLFLOW_TRACKING_URI, else sqlite:///mlflow.db
     experiment: str = "rayfl"
@@ -104,7 +106,7 @@ class Config:
                      "torch_threads", "groups", "classes_per_client"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name}={getattr(self, name)}: must be an integer >= 1")
-        for name in ("checkpoint_every", "samples_per_client", "client_metrics"):
+        for name in ("checkpoint_every", "samples_per_client", "client_metrics", "snapshot_every", "max_restarts"):
             if getattr(self, name) < 0:
                 raise UserError(f"{name}={getattr(self, name)}: must be an integer >= 0")
         for name in ("participation", "majority"):

@@ -8,7 +8,6 @@ Its clients share one resident model and one spare (:class:`rayfl.client.Bench`)
 
 from __future__ import annotations
 
-import io
 import os
 import time
 from dataclasses import dataclass
@@ -140,7 +139,8 @@ class ClientHost:
         return {cid: c._weights.cpu().numpy().copy() for cid, c in self.clients.items() if c._weights is not None}
 
     def state(self) -> dict[int, bytes]:
-        """Each client's weights, personal state and optimizer, serialized, for checkpoints."""
+        """Each client's weights, personal state, optimizer and RNGs as plain-data bytes (rayfl.snapshot): for
+        in-memory snapshots and checkpoints; loading them never runs code."""
         self.bench.release()
         return {cid: _dump({"model": c._weights.cpu().numpy() if c._weights is not None else None,
                             "state": c.state,
@@ -149,15 +149,17 @@ class ClientHost:
                 for cid, c in self.clients.items()}
 
     def load_state(self, states: dict[int, bytes]) -> None:
+        from rayfl.snapshot import loads
+
         self.bench.release()
         for cid, blob in states.items():
             c = self.clients[cid]
-            st = torch.load(io.BytesIO(blob), map_location=self.device, weights_only=False)
-            c._weights = None if st["model"] is None else torch.as_tensor(st["model"]).to(self.device)
+            st = loads(blob, device=self.device)
+            c._weights = None if st["model"] is None else torch.tensor(np.array(st["model"]), device=self.device)
             c.state = st["state"]
             if st["optimizer"] is not None and c.optimizer is not None:
                 c.optimizer.load_state_dict(st["optimizer"])
-            c.gen.set_state(st["gen"])
+            c.gen.set_state(st["gen"].cpu())
             c.rng.bit_generator.state = st["rng"]
 
     def info(self) -> dict:
@@ -168,6 +170,6 @@ class ClientHost:
 
 
 def _dump(obj: Any) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
+    from rayfl.snapshot import dumps
+
+    return dumps(obj)

@@ -8,15 +8,18 @@ best round on test.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
-import pickle
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from rayfl import snapshot
 from rayfl.metrics import round_summary
+from rayfl.runtime import ClientsLost
 from rayfl.stage_cache import StageReuse
 
 
@@ -31,6 +34,7 @@ class Callback:
     def on_setup(self, loop: "Loop") -> None: ...
     def on_round(self, loop: "Loop", record: "RoundRecord") -> None: ...
     def on_end(self, loop: "Loop") -> None: ...
+    def on_recover(self, loop: "Loop", event: dict) -> None: ...  # client actors died; rounds are replayed
 
 
 @dataclass
@@ -59,6 +63,10 @@ class Loop:
         self.start_step = 0
         self.call_seconds = 0.0
         self.stop_requested = False
+        self.setup_done = self.setup_reported = False
+        self.reported = -1  # the last round the callbacks have seen (replayed rounds are not shown twice)
+        self.restarts = 0  # client-actor faults survived
+        self.snapshots: list[dict] = []  # the last two in-memory snapshots, newest last
         self.stage_reuse = None
 
     # --- pieces ---------------------------------------------------------------------------------
@@ -94,80 +102,138 @@ class Loop:
             self.try_resume()
         if self.start_step == 0:  # stages shared with runs that agree up to them (rayfl.stage_cache)
             self.stage_reuse = StageReuse.open(self)
+        self.reported = self.start_step - 1
+        self.setup_done = self.start_step > 0
+        self.setup_reported = self.setup_done
         for cb in self.callbacks:
             cb.on_start(self)
-        if self.start_step == 0:
-            self.setup_metrics = self.server.setup(self.call) or {}
-            for cb in self.callbacks:
-                cb.on_setup(self)
         schedule = self.schedule()
-        for step, stage in schedule[self.start_step:]:
-            if self.stop_requested:
-                raise RunStopped(f"stopped on request before round {step}")
-            participants = self.sample(stage)
-            self.call_seconds = 0.0
-            t0 = time.perf_counter()
-            metrics = dict(self.server.run_round(stage, step, participants, self.call) or {})
-            metrics["round_seconds"] = time.perf_counter() - t0
-            metrics["client_call_seconds"] = self.call_seconds
-            last = step == len(schedule) - 1
-            per_client: dict[int, dict] = {}
-            if last or step % self.cfg.eval_every == 0:
-                t1 = time.perf_counter()
-                per_client = self.evaluate(stage, step)
-                metrics["eval_seconds"] = time.perf_counter() - t1
-                metrics.update(round_summary(per_client))
-                self.last_eval = per_client
-            record = RoundRecord(step, stage.name, participants, metrics, per_client)
-            self.history.append({"step": step, "stage": stage.name, **metrics})
-            if self.stage_reuse:
-                self.stage_reuse.after_round(self, step)
+        self.keep_snapshot(self.start_step - 1)
+        i = self.start_step
+        while True:
+            try:
+                if i == len(schedule):
+                    if self.stage_reuse:
+                        self.stage_reuse.close()
+                    for cb in self.callbacks:
+                        cb.on_end(self)
+                    return self
+                step, stage = schedule[i]
+                self.run_step(step, stage, last=step == len(schedule) - 1)
+            except ClientsLost as lost:  # client actors died: restore the last snapshot, replay from there
+                i = self.recover(lost, min(i, len(schedule) - 1))
+                continue
+            i += 1
+
+    def run_step(self, step: int, stage, last: bool) -> None:
+        """Setup (before the first round), then one round: train, evaluate, report, keep."""
+        if not self.setup_done:
+            self.setup_metrics = self.server.setup(self.call) or {}
+            self.setup_done = True
+            if not self.setup_reported:
+                for cb in self.callbacks:
+                    cb.on_setup(self)
+                self.setup_reported = True
+        if self.stop_requested:
+            raise RunStopped(f"stopped on request before round {step}")
+        participants = self.sample(stage)
+        self.call_seconds = 0.0
+        t0 = time.perf_counter()
+        metrics = dict(self.server.run_round(stage, step, participants, self.call) or {})
+        metrics["round_seconds"] = time.perf_counter() - t0
+        metrics["client_call_seconds"] = self.call_seconds
+        per_client: dict[int, dict] = {}
+        if last or step % self.cfg.eval_every == 0:
+            t1 = time.perf_counter()
+            per_client = self.evaluate(stage, step)
+            metrics["eval_seconds"] = time.perf_counter() - t1
+            metrics.update(round_summary(per_client))
+            self.last_eval = per_client
+        if self.restarts:
+            metrics["client_restarts"] = self.restarts
+        record = RoundRecord(step, stage.name, participants, metrics, per_client)
+        self.history.append({"step": step, "stage": stage.name, **metrics})
+        if self.stage_reuse:
+            self.stage_reuse.after_round(self, step)
+        if self.cfg.snapshot_every and (step + 1) % self.cfg.snapshot_every == 0:
+            t2 = time.perf_counter()
+            self.keep_snapshot(step)
+            metrics["snapshot_seconds"] = self.history[-1]["snapshot_seconds"] = time.perf_counter() - t2
+        if step > self.reported:
             for cb in self.callbacks:
                 cb.on_round(self, record)
-            if self.checkpoint_dir and self.cfg.checkpoint_every and (step + 1) % self.cfg.checkpoint_every == 0:
-                self.save_checkpoint(step)
-        if self.stage_reuse:
-            self.stage_reuse.close()
-        for cb in self.callbacks:
-            cb.on_end(self)
-        return self
+            self.reported = step
+        if self.checkpoint_dir and self.cfg.checkpoint_every and (step + 1) % self.cfg.checkpoint_every == 0:
+            self.save_checkpoint(step)
 
     @property
     def final(self) -> dict:
         """The final round's metrics (the reported result)."""
         return self.history[-1] if self.history else {}
 
-    # --- checkpoints ----------------------------------------------------------------------------
-    CHECKPOINT_FILE = "checkpoint.pkl"
+    # --- checkpoints (on disk) and snapshots (in memory) --------------------------------------------
+    @staticmethod
+    def has_checkpoint(directory: str) -> bool:
+        """Whether ``directory`` holds a checkpoint to resume from (an old pickle one counts, to be refused)."""
+        return any(os.path.isfile(os.path.join(directory, name)) for name in (CHECKPOINT_FILE, LEGACY_CHECKPOINT))
 
     def checkpoint_path(self, directory: str | None = None) -> str:
-        return os.path.join(directory or self.checkpoint_dir, self.CHECKPOINT_FILE)
-
-    @classmethod
-    def has_checkpoint(cls, directory: str) -> bool:
-        """Whether ``directory`` holds a checkpoint this loop can go on from (``rayfl run --resume`` asks
-        before anything starts)."""
-        return os.path.isfile(os.path.join(directory, cls.CHECKPOINT_FILE))
+        return os.path.join(directory or self.checkpoint_dir, CHECKPOINT_FILE)
 
     def save_checkpoint(self, step: int, directory: str | None = None) -> None:
-        """Everything needed to go on after the round ``step``: server, clients, RNGs and history
-        (in ``directory``, default the run's checkpoint directory; the stage cache passes its own)."""
-        state = {"step": step, "server": self.server.state_dict(), "clients": self.runtime.client_states(),
+        """Everything needed to go on after the round ``step``: server, clients, RNGs and history, as plain
+        data (rayfl.snapshot), with the rayfl version and the config it belongs to (in ``directory``,
+        default the run's checkpoint directory; the stage cache passes its own)."""
+        values, digest = config_fingerprint(self.cfg)
+        state = {"rayfl_version": _version(), "config_hash": digest, "config": values, "step": step,
+                 "server": self.server.state_dict(), "clients": self.runtime.client_states(),
                  "rng": self.rng.bit_generator.state, "server_rng": self.server.rng.bit_generator.state,
                  "history": self.history, "last_eval": self.last_eval, "setup_metrics": self.setup_metrics}
         path = self.checkpoint_path(directory)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as f:
-            pickle.dump(state, f)
-        os.replace(tmp, path)  # never leave a half-written checkpoint
+        snapshot.save(path, state)  # atomic: never a half-written checkpoint
+
+    @staticmethod
+    def read_checkpoint(directory: str, cfg, same_config: bool = True) -> dict | None:
+        """The checkpoint in ``directory``, or None; UserError when it is not this rayfl's, not this config's
+        (unless ``same_config`` is off: a shared stage, whose key already says what it depends on),
+        unreadable, or an old pickle file (never opened: unpickling can run code)."""
+        from rayfl.config import UserError
+
+        path = os.path.join(directory, CHECKPOINT_FILE)
+        if not os.path.isfile(path):
+            legacy = os.path.join(directory, LEGACY_CHECKPOINT)
+            if os.path.isfile(legacy):
+                raise UserError(f"checkpoint={legacy}: a pickle checkpoint of an older rayfl, not loaded (loading "
+                                "pickle can run code); start a new run")
+            return None
+        try:
+            state = snapshot.load(path)
+            missing = _CHECKPOINT_KEYS - set(state) if isinstance(state, dict) else _CHECKPOINT_KEYS
+            if missing:
+                raise snapshot.SnapshotError(f"not a rayfl checkpoint: no {', '.join(sorted(missing))}")
+            for blob in state["clients"].values():  # opaque bytes until a client loads them: check them here
+                snapshot.loads(blob)
+        except (OSError, snapshot.SnapshotError, AttributeError, TypeError) as e:
+            raise UserError(f"checkpoint={path}: unreadable ({e})") from None
+        if state["rayfl_version"] != _version():
+            raise UserError(f"checkpoint={path}: written by rayfl {state['rayfl_version']}, this is rayfl "
+                            f"{_version()}; finish the run with that version or start a new one")
+        values, digest = config_fingerprint(cfg)
+        if same_config and state["config_hash"] != digest:
+            old = state["config"] if isinstance(state["config"], dict) else {}
+            changed = [k for k in sorted(set(values) | set(old)) if values.get(k) != old.get(k)]
+            detail = "; ".join(f"{k} was {old.get(k)!r}, now {values.get(k)!r}" for k in changed[:3])
+            raise UserError(f"checkpoint={path}: written for another config ({detail or 'hash differs'}); "
+                            "resume with the run's own config")
+        return state
 
     def try_resume(self, directory: str | None = None) -> bool:
-        path = self.checkpoint_path(directory)
-        if not os.path.isfile(path):
+        """Go on from the checkpoint in ``directory`` (default the run's); False when there is none. A
+        directory given explicitly is a shared stage (rayfl.stage_cache): its config may differ downstream."""
+        state = self.read_checkpoint(directory or self.checkpoint_dir, self.cfg, same_config=directory is None)
+        if state is None:
             return False
-        with open(path, "rb") as f:
-            state = pickle.load(f)
         self.server.load_state_dict(state["server"])
         self.runtime.load_client_states(state["clients"])
         self.rng.bit_generator.state = state["rng"]
@@ -177,3 +243,72 @@ class Loop:
         self.setup_metrics = state["setup_metrics"]
         self.start_step = state["step"] + 1
         return True
+
+    def snapshot(self, step: int) -> dict:
+        """Where to go back to after round ``step`` (-1: before setup), held in memory. The runtime keeps the
+        clients' state without waiting (under Ray: driver-owned objects, which outlive a dead actor); the
+        driver's state is copied as plain-data bytes, since servers update their arrays in place. History
+        only grows, so its length is enough."""
+        driver = {"server": self.server.state_dict(), "rng": self.rng.bit_generator.state,
+                  "server_rng": self.server.rng.bit_generator.state}
+        return {"step": step, "clients": self.runtime.save_clients(), "driver": snapshot.dumps(driver),
+                "history": len(self.history), "last_eval": self.last_eval, "setup_metrics": self.setup_metrics,
+                "setup_done": self.setup_done}
+
+    def restore(self, snap: dict) -> int:
+        """Put clients and driver back as they were at ``snap``; returns the index of the round to run next."""
+        self.runtime.restore_clients(snap["clients"])  # first: if this fails, nothing else has changed
+        driver = snapshot.loads(snap["driver"])
+        self.server.load_state_dict(driver["server"])
+        self.rng.bit_generator.state = driver["rng"]
+        self.server.rng.bit_generator.state = driver["server_rng"]
+        del self.history[snap["history"]:]
+        self.last_eval, self.setup_metrics, self.setup_done = snap["last_eval"], snap["setup_metrics"], snap["setup_done"]
+        return snap["step"] + 1
+
+    def keep_snapshot(self, step: int) -> None:
+        """Two are kept: the newest may have been cut short by the very fault it is meant to undo."""
+        self.snapshots = [*self.snapshots[-1:], self.snapshot(step)]
+
+    def recover(self, lost: ClientsLost, step: int) -> int:
+        """Client actors died in round ``step`` (the runtime has restarted them): restore every client and the
+        driver from the newest usable snapshot and return the round to replay from. At most max_restarts."""
+        self.restarts += 1
+        if self.restarts > self.cfg.max_restarts:
+            raise ClientsLost(f"client actors died {self.restarts} times, more than max_restarts="
+                              f"{self.cfg.max_restarts}; last: {lost}") from lost
+        for snap in reversed(self.snapshots):
+            try:
+                resume_at = self.restore(snap)
+            except ClientsLost as again:  # this snapshot went down with its actor
+                lost = again
+                continue
+            self.snapshots = [snap]
+            event = {"step": step, "from_step": snap["step"], "restarts": self.restarts, "cause": str(lost)}
+            for cb in self.callbacks:
+                cb.on_recover(self, event)
+            return resume_at
+        raise ClientsLost(f"client actors died in round {step} and no snapshot could be restored: {lost}") from lost
+
+
+CHECKPOINT_FILE = "checkpoint.rayfl"  # rayfl.snapshot format: JSON header and raw arrays, no pickle
+LEGACY_CHECKPOINT = "checkpoint.pkl"  # what rayfl wrote before; refused, never opened
+_CHECKPOINT_KEYS = frozenset({"rayfl_version", "config_hash", "config", "step", "server", "clients", "rng",
+                              "server_rng", "history", "last_eval", "setup_metrics"})
+# Config values that do not change a run's results: a checkpoint may be resumed with other values of these.
+NOT_RESULTS = frozenset({"out_dir", "tracking_uri", "experiment", "run_name", "client_metrics", "checkpoint_every",
+                         "snapshot_every", "max_restarts", "clients_per_actor", "cpus_per_actor", "gpus_per_actor",
+                         "torch_threads", "data_root", "download"})
+
+
+def config_fingerprint(cfg) -> tuple[dict, str]:
+    """The config values that determine a run's results, and their hash."""
+    values = {k: v for k, v in cfg.to_flat().items() if k not in NOT_RESULTS}
+    text = json.dumps(values, sort_keys=True, default=repr)
+    return values, hashlib.sha256(text.encode()).hexdigest()
+
+
+def _version() -> str:
+    from rayfl import __version__
+
+    return __version__

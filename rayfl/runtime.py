@@ -15,12 +15,19 @@ import numpy as np
 from rayfl.reduce import Uploads, combine
 
 
+class ClientsLost(RuntimeError):
+    """Client actors died during a call. The runtime has already started their replacements (fresh clients,
+    initial state); the loop restores every client from its last snapshot and replays the rounds since."""
+
+
 class Runtime(Protocol):
     def call(self, step: str, messages: dict[int, dict], reduce=None) -> Uploads: ...
     def put(self, obj: Any) -> Any: ...
     def get(self, handles: list) -> list: ...
     def client_states(self) -> dict[int, bytes]: ...
     def load_client_states(self, states: dict[int, bytes]) -> None: ...
+    def save_clients(self) -> Any: ...  # an in-memory snapshot of every client, taken without waiting
+    def restore_clients(self, saved: Any) -> None: ...
     def client_vectors(self) -> dict[int, np.ndarray]: ...
     def placement(self) -> list[dict]: ...
     def shutdown(self) -> None: ...
@@ -98,6 +105,12 @@ class LocalRuntime:
     def load_client_states(self, states):
         for h, host in enumerate(self.hosts):
             host.load_state({c: s for c, s in states.items() if self.host_of[c] == h})
+
+    def save_clients(self):
+        return self.client_states()
+
+    def restore_clients(self, saved):
+        self.load_client_states(saved)
 
     def client_vectors(self):
         return {cid: v for host in self.hosts for cid, v in host.vectors().items()}

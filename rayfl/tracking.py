@@ -101,7 +101,9 @@ class Writer:
 
 class MlflowTracker(Callback):
     def __init__(self, tracking_uri: str, experiment_id: str, run_name: str | None = None,
-                 parent_run_id: str | None = None, extra_params: dict | None = None, tags: dict | None = None):
+                 parent_run_id: str | None = None, extra_params: dict | None = None, tags: dict | None = None,
+                 run_id: str | None = None):
+        """``run_id``: an MLflow run to reopen and go on with (a driver restarted after its predecessor died)."""
         self.uri = tracking_uri
         self.tags = tags or {}
         self.experiment_id = experiment_id
@@ -109,6 +111,7 @@ class MlflowTracker(Callback):
         self.parent_run_id = parent_run_id
         self.extra_params = extra_params or {}
         self.run_id: str | None = None
+        self.reopen = run_id
         self.client_metrics = False
         self.writer: Writer | None = None
         self.algo = ""
@@ -161,8 +164,11 @@ class MlflowTracker(Callback):
         self._client = MlflowClient(self.uri)
         self.algo = loop.cfg.algo
         resume_file = os.path.join(loop.checkpoint_dir, "mlflow_run_id") if loop.checkpoint_dir else None
-        resumed = loop.start_step > 0 and resume_file and os.path.isfile(resume_file)
-        if resumed:
+        resumed = bool(loop.start_step > 0 and resume_file and os.path.isfile(resume_file))
+        if self.reopen:
+            resumed = True
+            run = mlflow.start_run(run_id=self.reopen)
+        elif resumed:
             run = mlflow.start_run(run_id=open(resume_file).read().strip())
         else:
             run = mlflow.start_run(experiment_id=self.experiment_id, run_name=self.run_name,
@@ -219,6 +225,16 @@ class MlflowTracker(Callback):
             self._log_metrics(values, step + 1)  # rounds from 1, as on the console; setup is step 0
             for name, arr in arrays.items():
                 self._log_array(f"{name}_{step + 1:04d}.npy", arr, f"rounds/{name}")
+
+        self._submit(job)
+
+    def on_recover(self, loop, event) -> None:
+        """Client actors died and were restarted: a tag with the count so far, and a metric at the round."""
+        n, step = event["restarts"], event["step"]
+
+        def job():
+            self._client.set_tag(self.run_id, "rayfl.client_restarts", str(n))
+            self._log_metrics({"client_restarts": float(n)}, step)
 
         self._submit(job)
 

@@ -20,6 +20,47 @@ def tiny(**overrides):
     return make_config(None, values)
 
 
+def same(a, b) -> bool:
+    """Equal, type for type (np.float32 is not float, a tuple is not a list), NaN equal to NaN: for state
+    that must come back exactly (snapshots, checkpoints, replays)."""
+    import math
+
+    import numpy as np
+    import pandas as pd
+    import torch
+
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, np.ndarray):
+        return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b, equal_nan=a.dtype.kind == "f")
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, pd.DataFrame):
+        return list(a.columns) == list(b.columns) and a.equals(b)
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(same(k1, k2) and same(a[k1], b[k2]) for k1, k2 in zip(a, b))
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and math.isnan(a):
+        return math.isnan(b)
+    return a == b
+
+
+class Payload:
+    """Unpickling this writes the file ``marker``: proof that loading ran code."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return touch, (self.marker,)
+
+
+def touch(path):
+    with open(path, "w") as f:
+        f.write("code ran")
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """Our own Ray instance (never someone else's), shut down at the end; never `ray stop`."""

@@ -1,0 +1,264 @@
+"""Runs survive faults: a dead client actor or driver is replaced, state comes back from a snapshot or a
+checkpoint, and the result is the uninterrupted run's. Loading a checkpoint never runs code."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import signal
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from conftest import Payload, same, tiny
+from rayfl import snapshot
+from rayfl.config import UserError
+from rayfl.experiment import prepare
+from rayfl.loop import CHECKPOINT_FILE, Callback, Loop
+from rayfl.runtime import ClientsLost, LocalRuntime
+from rayfl.tracking import ensure_experiment
+
+# Small settings under which every algorithm runs all of its stages (as in test_ray_run).
+ALGOS = {
+    "local": {}, "fedavg": {"participation": 0.67}, "fedavg-ft": {},
+    "fedfomo": {"params": {"M": 2}, "participation": 0.67},
+    "persfl": {"params": {"lam_grid": [0.0, 0.5], "T_grid": [1.0]}},
+    "federico": {"partition": "label-groups", "groups": 2, "params": {"M": 1}},
+    "usercentric": {"partition": "label-groups", "groups": 2, "params": {"streams": 2}},
+    "fedmoe": {"partition": "majority", "majority": 0.5,
+               "params": {"opt_out": 0.25, "specialist_epochs": 3, "gate_epochs": 3, "patience": 2}},
+}
+TIMINGS = ("seconds",)  # keys that hold wall-clock times differ between any two runs
+
+
+def results(history: list[dict]) -> list[dict]:
+    """What a run computed, round by round: every metric but wall-clock times and fault counters."""
+    return [{k: v for k, v in h.items() if not k.endswith(TIMINGS) and k != "client_restarts"} for h in history]
+
+
+def assert_same_results(a: list[dict], b: list[dict]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(results(a), results(b)):
+        assert x.keys() == y.keys()
+        for k in x:
+            assert x[k] == y[k] or (x[k] != x[k] and y[k] != y[k]), (x["step"], k, x[k], y[k])
+
+
+def cfg_for(algo: str, **kw):
+    return tiny(algo=algo, clients=4, rounds=3, clients_per_actor=2, **{**ALGOS[algo], **kw})
+
+
+class FaultyRuntime(LocalRuntime):
+    """In-process clients whose host 0 "dies" at the end of chosen client calls (counted from 1): the call's
+    work is done (client state has moved on), host 0 is replaced by a fresh one, as Ray restarts an actor,
+    and the call raises ClientsLost."""
+
+    def __init__(self, prepared, fail_at=frozenset()):
+        super().__init__(prepared)
+        self.prepared, self.fail_at, self.calls = prepared, fail_at, 0
+
+    def call(self, step, messages, reduce=None):
+        self.calls += 1
+        out = super().call(step, messages, reduce)
+        if self.calls in self.fail_at:
+            self.hosts[0] = LocalRuntime(self.prepared).hosts[0]
+            raise ClientsLost(f"host 0 lost in call {self.calls} ({step})")
+        return out
+
+
+def client_states(loop) -> dict:
+    return {cid: snapshot.loads(blob) for cid, blob in loop.runtime.client_states().items()}
+
+
+@pytest.mark.parametrize("algo", sorted(ALGOS))
+def test_every_algorithm_replays_to_the_uninterrupted_result(algo):
+    """Faults early, midway and late (setup, rounds, evaluations: wherever the calls fall); each restores
+    every client and the server from the in-memory snapshot and replays. Same metrics, round for round, and
+    every client's state (model, personal state, optimizer, RNGs) the same at the end as without faults."""
+    p = prepare(cfg_for(algo))
+    full = Loop(p, FaultyRuntime(p)).run()
+    n = full.runtime.calls
+    faulty = FaultyRuntime(p, fail_at={2, n // 2 + 2, n + 2})
+    loop = Loop(p, faulty).run()
+    assert loop.restarts == 3
+    assert_same_results(loop.history, full.history)
+    assert same(client_states(loop), client_states(full))
+    assert same(snapshot.loads(snapshot.dumps(loop.server.state_dict())),
+                snapshot.loads(snapshot.dumps(full.server.state_dict())))
+
+
+class Crash(Callback):
+    def __init__(self, at: int):
+        self.at = at
+
+    def on_round(self, loop, record):
+        if record.step == self.at:
+            raise RuntimeError("simulated crash")
+
+
+@pytest.mark.parametrize("algo", sorted(ALGOS))
+def test_every_algorithm_resumes_from_its_checkpoint(algo, tmp_path):
+    """Server state_dict and client state (model, personal state, optimizer, RNGs) through a checkpoint file:
+    the resumed run ends where the uninterrupted one does."""
+    cfg = cfg_for(algo, checkpoint_every=1)
+    p = prepare(cfg)
+    full = Loop(p, LocalRuntime(p)).run()
+    last = len(full.history) - 1
+    with pytest.raises(RuntimeError, match="simulated"):
+        Loop(p, LocalRuntime(p), [Crash(last - 1)], checkpoint_dir=str(tmp_path)).run()
+    resumed = Loop(p, LocalRuntime(p), checkpoint_dir=str(tmp_path)).run()
+    assert resumed.start_step == last - 1  # the crash came before that round was checkpointed
+    assert_same_results(resumed.history, full.history)
+    assert same(client_states(resumed), client_states(full))
+
+
+def test_too_many_client_faults_end_the_run_naming_the_cause():
+    p = prepare(cfg_for("fedavg", max_restarts=1))
+    with pytest.raises(ClientsLost, match=r"died 2 times, more than max_restarts=1; last: host 0 lost"):
+        Loop(p, FaultyRuntime(p, fail_at={2, 3})).run()
+
+
+# --------------------------------------------------------------------------------------------------
+# checkpoints: refused when not this config's or this version's, and never unpickled
+# --------------------------------------------------------------------------------------------------
+def _checkpoint(tmp_path, **kw):
+    cfg = tiny(algo="fedavg", rounds=2, checkpoint_every=1, **kw)
+    p = prepare(cfg)
+    Loop(p, LocalRuntime(p), checkpoint_dir=str(tmp_path)).run()
+    return cfg, snapshot.load(os.path.join(tmp_path, CHECKPOINT_FILE))
+
+
+def test_a_checkpoint_with_a_pickle_payload_is_refused_without_running_it(tmp_path):
+    marker = tmp_path / "pwned"
+    cfg, state = _checkpoint(tmp_path / "run")
+    p = prepare(cfg)
+    run_dir = tmp_path / "run"
+    path = run_dir / CHECKPOINT_FILE
+
+    # 1. a client's state replaced by a pickle (what torch.save writes) inside a valid checkpoint
+    buf = io.BytesIO()
+    torch.save({"model": Payload(marker)}, buf)
+    state["clients"][0] = buf.getvalue()
+    snapshot.save(str(path), state)
+    with pytest.raises(UserError, match=r"checkpoint=.*unreadable"):
+        Loop(p, LocalRuntime(p), checkpoint_dir=str(run_dir)).run()
+    # 2. the whole checkpoint a pickle, under the new name and under the old one
+    for name in (CHECKPOINT_FILE, "checkpoint.pkl"):
+        os.remove(path) if path.exists() else None
+        with open(run_dir / name, "wb") as f:
+            pickle.dump({"step": 0, "server": Payload(marker)}, f)
+        assert Loop.has_checkpoint(str(run_dir))
+        with pytest.raises(UserError, match="checkpoint=") as e:
+            Loop(p, LocalRuntime(p), checkpoint_dir=str(run_dir)).run()
+        assert "\n" not in str(e.value)
+        os.remove(run_dir / name)
+    assert not marker.exists()
+    pickle.loads(pickle.dumps(Payload(marker)))
+    assert marker.exists()  # the payload was live
+
+
+def test_a_checkpoint_of_another_config_or_version_is_refused(tmp_path, monkeypatch):
+    cfg, _ = _checkpoint(tmp_path)
+    other = tiny(algo="fedavg", rounds=2, checkpoint_every=1, lr=0.2)
+    p = prepare(other)
+    with pytest.raises(UserError, match=r"checkpoint=.*another config \(lr was 0.1, now 0.2\)"):
+        Loop(p, LocalRuntime(p), checkpoint_dir=str(tmp_path)).run()
+    # what does not change results may change: resources, where things are kept, how often
+    same = tiny(algo="fedavg", rounds=2, checkpoint_every=2, clients_per_actor=3, experiment="elsewhere")
+    assert Loop.read_checkpoint(str(tmp_path), same)["step"] == 1
+    import rayfl
+
+    monkeypatch.setattr(rayfl, "__version__", "99.0")
+    with pytest.raises(UserError, match=r"written by rayfl 0\.\d+\.\d+, this is rayfl 99.0"):
+        Loop.read_checkpoint(str(tmp_path), cfg)
+
+
+def test_has_checkpoint():
+    assert not Loop.has_checkpoint("/nonexistent")
+
+
+# --------------------------------------------------------------------------------------------------
+# under Ray: kill a client actor's process, kill the driver's
+# --------------------------------------------------------------------------------------------------
+def launch_run(cfg, uri, name, on_round=None, **kw):
+    from rayfl.actors.launch import launch
+
+    exp = ensure_experiment(uri, "faults")
+    return launch(prepare(cfg), {"tracking_uri": uri, "experiment_id": exp, "run_name": name},
+                  on_round=on_round, poll_seconds=0.02, **kw)
+
+
+def client_pids(uri: str, run_name: str) -> list[int]:
+    """The client actors' pids, from the run's own placement record in MLflow."""
+    import json
+
+    client = MlflowClient(uri)
+    run = client.search_runs([ensure_experiment(uri, "faults")], f"attributes.run_name = '{run_name}'")[0]
+    return [a["pid"] for a in json.load(open(client.download_artifacts(run.info.run_id, "placement.json")))["placement"]]
+
+
+FAULT_CFG = dict(algo="fedfomo", rounds=4, clients=4, clients_per_actor=2, params={"M": 2}, participation=0.75)
+
+
+@pytest.fixture(scope="module")
+def clean(ray_session, tmp_path_factory):
+    """The uninterrupted run on Ray that the runs with faults must equal."""
+    return launch_run(tiny(**FAULT_CFG), f"sqlite:///{tmp_path_factory.mktemp('clean')}/mlflow.db", "clean")
+
+
+def test_a_killed_client_actor_is_restarted_and_the_run_ends_as_if_nothing_happened(clean, mlflow_uri, capfd):
+    cfg = tiny(**FAULT_CFG)
+    killed = []
+
+    def kill(rec):
+        if rec["step"] == 1 and not killed:
+            pid = client_pids(mlflow_uri, "client-kill")[0]
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+
+    result = launch_run(cfg, mlflow_uri, "client-kill", on_round=kill)
+    assert killed and result["client_restarts"] == 1
+    assert_same_results(result["history"], clean["history"])
+    run = MlflowClient(mlflow_uri).get_run(result["run_id"])
+    assert run.info.status == "FINISHED" and run.data.tags["rayfl.client_restarts"] == "1"
+    assert run.data.metrics["client_restarts"] == 1
+    assert "client actor lost in round" in capfd.readouterr().err
+
+
+def test_a_killed_driver_is_replaced_and_finishes_the_same_mlflow_run(clean, mlflow_uri, tmp_path):
+    cfg = tiny(**FAULT_CFG, checkpoint_every=1)
+    killed, seen = [], []
+
+    def kill(rec):
+        seen.append(rec["step"])
+        if rec["step"] == 1 and not killed:
+            os.kill(rec["driver_pid"], signal.SIGKILL)
+            killed.append(rec["driver_pid"])
+
+    result = launch_run(cfg, mlflow_uri, "driver-kill", on_round=kill, checkpoint_dir=str(tmp_path))
+    steps = list(range(len(clean["history"])))
+    assert killed and seen == steps  # each round shown once
+    assert_same_results(result["history"], clean["history"])
+    client = MlflowClient(mlflow_uri)
+    run = client.get_run(result["run_id"])
+    assert run.info.status == "FINISHED" and run.data.tags["rayfl.driver_restarts"] == "1"
+    assert len(client.search_runs([run.info.experiment_id], "attributes.run_name = 'driver-kill'")) == 1
+    assert {m.step for m in client.get_metric_history(run.info.run_id, "test_acc_mean")} == set(steps)
+
+
+def test_a_driver_that_keeps_dying_closes_its_mlflow_run_as_failed(ray_session, mlflow_uri, tmp_path):
+    from rayfl.actors.launch import DriverLost
+
+    cfg = tiny(**FAULT_CFG, max_restarts=0)
+
+    def kill(rec):
+        if rec["step"] == 0:
+            os.kill(rec["driver_pid"], signal.SIGKILL)
+
+    with pytest.raises(DriverLost, match="max_restarts=0"):
+        launch_run(cfg, mlflow_uri, "driver-dies", on_round=kill, checkpoint_dir=str(tmp_path))
+    client = MlflowClient(mlflow_uri)
+    run = client.search_runs([ensure_experiment(mlflow_uri, "faults")], "attributes.run_name = 'driver-dies'")[0]
+    assert run.info.status == "FAILED"
