@@ -15,8 +15,10 @@ from rayfl.config import UserError
 def launch(prepared, tracking: dict | None, checkpoint_dir: str | None = None,
            on_round: Callable[[dict], None] | None = None, resources=None, driver_options: dict | None = None,
            actor_options: list[dict] | None = None, poll_seconds: float = 0.25,
-           stop_grace_seconds: float = 30.0, cluster_may_grow: bool = False) -> dict:
-    """Run ``prepared`` on the connected Ray cluster; ``on_round`` sees each round's record. ``tracking``
+           stop_grace_seconds: float = 30.0, cluster_may_grow: bool = False,
+           on_event: Callable[[dict], None] | None = None) -> dict:
+    """Run ``prepared`` on the connected Ray cluster; ``on_round`` sees each round's record, ``on_event``
+    the driver's status items (``{"event": "actors", "ready": k, "total": n}``, ...). ``tracking``
     names the MLflow run to log to (None: no MLflow at all, for benchmarks that measure its cost).
 
     A request larger than the cluster is a user error on a private local instance; on a cluster that
@@ -44,7 +46,10 @@ def launch(prepared, tracking: dict | None, checkpoint_dir: str | None = None,
         while True:
             ready, _ = ray.wait([done], timeout=poll_seconds)
             for rec in ray.get(driver.poll.remote()):
-                if on_round:
+                if "event" in rec:
+                    if on_event:
+                        on_event(rec)
+                elif on_round:
                     on_round(rec)
             if ready:
                 return ray.get(done)

@@ -101,8 +101,9 @@ class Writer:
 
 class MlflowTracker(Callback):
     def __init__(self, tracking_uri: str, experiment_id: str, run_name: str | None = None,
-                 parent_run_id: str | None = None, extra_params: dict | None = None):
+                 parent_run_id: str | None = None, extra_params: dict | None = None, tags: dict | None = None):
         self.uri = tracking_uri
+        self.tags = tags  # provenance.origin() of the submitting process
         self.experiment_id = experiment_id
         self.run_name = run_name
         self.parent_run_id = parent_run_id
@@ -153,6 +154,8 @@ class MlflowTracker(Callback):
         import mlflow
         from mlflow.tracking import MlflowClient
 
+        from rayfl.provenance import run_tags
+
         mlflow.set_tracking_uri(self.uri)
         self._client = MlflowClient(self.uri)
         resume_file = os.path.join(loop.checkpoint_dir, "mlflow_run_id") if loop.checkpoint_dir else None
@@ -160,7 +163,7 @@ class MlflowTracker(Callback):
             run = mlflow.start_run(run_id=open(resume_file).read().strip())
         else:
             run = mlflow.start_run(experiment_id=self.experiment_id, run_name=self.run_name,
-                                   parent_run_id=self.parent_run_id)
+                                   parent_run_id=self.parent_run_id, tags=run_tags(loop.cfg, self.tags))
             cfg = loop.cfg
             params = {**cfg.to_flat(), "model_resolved": loop.prepared.model_spec.name,
                       "n_params": loop.prepared.info.n_params, "n_actors": len(loop.runtime.placement()),
