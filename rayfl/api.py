@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from rayfl.config import FIELDS, Config, UserError, make_config
-from rayfl.progress import ui_url
+from rayfl.progress import RoundClock, ui_url
 
 Progress = Callable[[dict], None]
 
@@ -171,40 +171,44 @@ def run_config(cfg: Config | None, *, resume: str | None = None, address: str | 
               "experiment_id": exp_id, "run_name": run_name})
 
     started = _start_ray(address, progress)
-    times: dict[int, float] = {}
+    clock, walls = RoundClock(), {}
+
+    def on_event(event: dict) -> None:
+        if event["event"] in ("start", "setup"):
+            clock.mark(event["time"])
+        progress(event)
 
     def on_round(rec: dict) -> None:
-        times[rec["step"]] = rec["time"]
+        walls[rec["step"]] = clock.round(rec)[0]
         progress({"event": "round", **rec})
 
     tracking = {"tracking_uri": uri, "experiment_id": exp_id, "run_name": run_name, "tags": origin(command)}
     try:
         from rayfl.actors.launch import launch
 
-        out = launch(prepared, tracking, checkpoint_dir=run_dir, on_round=on_round, on_event=progress,
+        out = launch(prepared, tracking, checkpoint_dir=run_dir, on_round=on_round, on_event=on_event,
                      cluster_may_grow=bool(address or os.environ.get("RAY_ADDRESS")))
     finally:
         if started:
             from rayfl.cli import shutdown_ray
 
             shutdown_ray()
-    result = RunResult(out["final"], _history(out["history"], times), _clients(out["per_client"], prepared.info),
+    result = RunResult(out["final"], _history(out["history"], walls), _clients(out["per_client"], prepared.info),
                        out["run_id"], run_dir, uri, exp_id)
     progress({"event": "done", "result": result})
     return result
 
 
-def _history(rows: list[dict], times: dict[int, float]):
-    """A row per round, counted from 1, with its wall time where this process saw it end (all but the
-    first round of this session; rounds from before a resume have none)."""
+def _history(rows: list[dict], walls: dict[int, float]):
+    """A row per round, counted from 1, with its whole wall time (evaluation and logging included; none
+    for rounds run before a resume)."""
     import pandas as pd
 
     df = pd.DataFrame(rows)
     if df.empty:
         return df
     df.insert(0, "round", df["step"] + 1)
-    stamps = df["step"].map(times)
-    df["wall_seconds"] = stamps.diff()
+    df["wall_seconds"] = df["step"].map(walls).astype(float)
     return df
 
 
