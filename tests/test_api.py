@@ -80,7 +80,7 @@ def test_run_returns_all_four_fields(ray_session, mlflow_uri, tmp_path):
     kinds = [e["event"] for e in events]
     assert kinds[0] == "plan" and kinds[-1] == "done" and kinds.count("round") == n
     actors = [e for e in events if e["event"] == "actors"]
-    assert actors[0]["ready"] == 0 and actors[-1]["ready"] == actors[-1]["total"] == 3
+    assert actors[0]["ready"] == 0 and 1 <= actors[-1]["ready"] == actors[-1]["total"] <= 3  # actors, not clients
     assert kinds.index("actors") < kinds.index("round")
 
 
