@@ -25,21 +25,46 @@ class RoundQueue(Callback):
         self._lock = threading.Lock()
         self._items: list[dict] = []
 
-    def on_round(self, loop, record) -> None:
+    def push(self, item: dict) -> None:
         with self._lock:
-            self._items.append({"step": record.step, "stage": record.stage, "metrics": record.metrics,
-                                "participants": len(record.participants), "total": len(loop.schedule()),
-                                "time": time.time(),  # when the round ended, evaluation and logging included
-                                "driver_pid": os.getpid()})
+            self._items.append({**item, "time": time.time(), "driver_pid": os.getpid()})
+
+    def on_start(self, loop) -> None:
+        self.push({"event": "start", "start_step": loop.start_step, "total": len(loop.schedule())})
+
+    def on_setup(self, loop) -> None:
+        self.push({"event": "setup"})
+
+    def on_round(self, loop, record) -> None:  # time: when the round ended, evaluation and logging included
+        self.push({"step": record.step, "stage": record.stage, "metrics": record.metrics,
+                   "participants": len(record.participants), "total": len(loop.schedule())})
 
     def on_recover(self, loop, event) -> None:
-        with self._lock:
-            self._items.append({"event": "client_restart", **event, "max_restarts": loop.cfg.max_restarts})
+        self.push({"event": "client_restart", **event, "max_restarts": loop.cfg.max_restarts})
 
     def drain(self) -> list[dict]:
         with self._lock:
             items, self._items = self._items, []
         return items
+
+
+def wait_for_actors(actors: list, report, every: float = 1.0) -> None:
+    """Block until every actor has been constructed, reporting ``{"event": "actors", "ready", "total"}``
+    as they come up; an actor whose constructor failed raises here."""
+    pending = [a.__ray_ready__.remote() for a in actors]  # Ray's built-in no-op method of every actor
+    total, ready = len(pending), 0
+    report({"event": "actors", "ready": 0, "total": total})
+    while pending:
+        done, pending = ray.wait(pending, num_returns=len(pending), timeout=every)
+        if done:
+            ray.get(done)
+            ready += len(done)
+            report({"event": "actors", "ready": ready, "total": total})
+
+
+def _import_mlflow() -> None:
+    """MLflow takes seconds to import: done while the client actors start, not after."""
+    import mlflow  # noqa: F401
 
 
 @ray.remote(max_concurrency=2)
@@ -59,12 +84,14 @@ class DriverActor:
 
         scheduling = (lambda i: self.actor_options[i]) if self.actor_options else None
         self.runtime = RayRuntime(prepared, x_ref[0], y_ref[0], resources, n_actors, scheduling)
+        threading.Thread(target=_import_mlflow, daemon=True).start()
 
     def run(self) -> dict:
         from rayfl.loop import Loop, RunStopped
         from rayfl.tracking import MlflowTracker
 
         runtime = self.runtime
+        wait_for_actors(runtime.actors, self.queue.push)
         tracker = self.tracker = (MlflowTracker(**self.tracking, run_id=self.resume.get("run_id"))
                                   if self.tracking is not None else None)  # None: benchmarks
         callbacks = [tracker, self.queue] if tracker else [self.queue]

@@ -27,8 +27,10 @@ class DriverLost(RuntimeError):
 def launch(prepared, tracking: dict | None, checkpoint_dir: str | None = None,
            on_round: Callable[[dict], None] | None = None, resources=None, driver_options: dict | None = None,
            actor_options: list[dict] | None = None, poll_seconds: float = 0.25,
-           stop_grace_seconds: float = 30.0, cluster_may_grow: bool = False) -> dict:
-    """Run ``prepared`` on the connected Ray cluster; ``on_round`` sees each round's record once. ``tracking``
+           stop_grace_seconds: float = 30.0, cluster_may_grow: bool = False,
+           on_event: Callable[[dict], None] | None = None) -> dict:
+    """Run ``prepared`` on the connected Ray cluster; ``on_round`` sees each round's record once, ``on_event``
+    the driver's status items (``{"event": "actors", "ready": k, "total": n}``, ...). ``tracking``
     names the MLflow run to log to (None: no MLflow at all, for benchmarks that measure its cost).
 
     A request larger than the cluster is a user error on a private local instance; on a cluster that
@@ -59,7 +61,7 @@ def launch(prepared, tracking: dict | None, checkpoint_dir: str | None = None,
         driver = DriverActor.options(num_cpus=DRIVER_CPUS, **(driver_options or {})).remote(
             light, x_ref, y_ref, resources, n_actors, tracking, checkpoint_dir, actor_options, resume)
         try:
-            result = _follow(driver, seen, on_round, poll_seconds, stop_grace_seconds)
+            result = _follow(driver, seen, on_round, on_event, poll_seconds, stop_grace_seconds)
         except ray.exceptions.RayActorError as e:
             if isinstance(e, ray.exceptions.RayTaskError):  # the run failed inside a live driver
                 raise
@@ -84,7 +86,7 @@ def launch(prepared, tracking: dict | None, checkpoint_dir: str | None = None,
                      f"last: {_first_line(lost)}") from lost
 
 
-def _follow(driver, seen: dict, on_round, poll_seconds: float, stop_grace_seconds: float) -> dict:
+def _follow(driver, seen: dict, on_round, on_event, poll_seconds: float, stop_grace_seconds: float) -> dict:
     """Run the driver to its end, passing on each round not shown before; its result."""
     done = driver.run.remote()
     try:
@@ -97,6 +99,9 @@ def _follow(driver, seen: dict, on_round, poll_seconds: float, stop_grace_second
                     print(f"rayfl: client actor lost in round {rec['step'] + 1} ({rec['cause']}); restarted, every "
                           f"client restored to round {rec['from_step'] + 1} and replayed "
                           f"(restart {rec['restarts']} of at most {rec['max_restarts']})", file=sys.stderr, flush=True)
+                elif "event" in rec:
+                    if on_event:
+                        on_event(rec)
                 elif rec["step"] > seen["step"]:
                     seen["step"] = rec["step"]
                     if on_round:

@@ -9,9 +9,9 @@ import argparse
 import dataclasses
 import os
 import sys
-import time
 
 from rayfl.config import FIELDS, UserError, make_config
+from rayfl.progress import format_round  # noqa: F401 - rayfl.sweep.stage1 shows its rounds with it
 
 # Flag help, grouped as the help screen shows them. Every Config field is a flag (dashes for underscores).
 GROUPS = {
@@ -138,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
                "  rayfl tune --algo persfl                   # a sweep over tune_spaces/persfl.yaml\n"
                "  mlflow ui --backend-store-uri sqlite:///mlflow.db   # then open http://127.0.0.1:5000",
         formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"rayfl {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     run = sub.add_parser("run", help="run one experiment", description="Run one experiment and log it to MLflow.")
     add_config_arguments(run)
@@ -156,6 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_compare_parser(sub, add_config_arguments)
     return parser
+
+
+def _version() -> str:
+    from rayfl.provenance import version
+
+    return version()
 
 
 class RayStartError(Exception):
@@ -191,7 +198,8 @@ def init_ray(address: str | None) -> None:
         dict(address=address)
     try:
         with _stderr_kept_aside() as kept:
-            ray.init(logging_level="ERROR", configure_logging=True, log_to_driver=True, **kwargs)
+            ray.init(logging_level="ERROR", configure_logging=True, **kwargs,
+                     log_to_driver=False)  # workers' and raylets' output stays in Ray's log files)
     except Exception as e:  # noqa: BLE001 - whatever Ray raises, the user gets one line
         _restore_env()
         detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -302,21 +310,6 @@ def cmd_algos() -> int:
     return 0
 
 
-def format_round(rec: dict) -> str:
-    m = rec["metrics"]
-    parts = [f"round {rec['step'] + 1:>3}/{rec['total']} [{rec['stage']}]"]
-    if "test_acc_mean" in m:
-        parts.append(f"test acc {m['test_acc_mean']:.3f} (worst {m['test_acc_worst']:.3f})")
-    elif "test_loss_mean" in m:
-        parts.append(f"test loss {m['test_loss_mean']:.4f}")
-    if "val_acc_mean" in m:
-        parts.append(f"val acc {m['val_acc_mean']:.3f}")
-    if m.get("train_loss") == m.get("train_loss") and "train_loss" in m:
-        parts.append(f"train loss {m['train_loss']:.3f}")
-    parts.append(f"{m['round_seconds']:.2f}s")
-    return "  ".join(parts)
-
-
 def summary_table(final: dict) -> str:
     extra = sorted(k[:-5] for k in final if k.endswith("_acc_mean") and k[:-5] not in ("test_acc", "val_acc"))
     metrics = [m for m in ("test_acc", "val_acc", "test_loss", *extra) if f"{m}_mean" in final]  # FedMoE's too
@@ -385,55 +378,51 @@ def open_experiment(uri: str, experiment: str) -> str:
 
 
 def cmd_run(args) -> int:
-    from rayfl.tracking import resolve_tracking_uri
+    """Arguments -> config -> :func:`rayfl.api.run_config`; this prints, the API does the rest."""
+    from rayfl.api import run_config
+    from rayfl.progress import ConsoleProgress, mlflow_hint
 
-    check_address(args.address)
     if args.resume:
         extra = config_flags_given(args)
         if extra:
             raise UserError(f"--resume {args.resume!r} with {extra[0]}: a resumed run keeps its saved config; "
                             f"give only --resume DIR (and --address, --quiet)")
-        cfg = load_run_dir(args.resume)
-        run_dir = os.path.abspath(args.resume)
-    else:
-        cfg = config_from_args(args)
-    from rayfl.experiment import prepare
+    cfg = None if args.resume else config_from_args(args)
+    console = ConsoleProgress(rounds=not args.quiet)
+    plan: dict = {}
 
-    prepared = prepare(cfg)  # every user mistake surfaces here, before Ray starts
-    if not (args.address or os.environ.get("RAY_ADDRESS")):
-        from rayfl.actors.resources import preflight
+    def show(event: dict) -> None:
+        if event["event"] == "plan":
+            plan.update(event)
+        console(event)
 
-        preflight(cfg)  # a private instance on this machine: a request it cannot hold is refused now
-    uri = resolve_tracking_uri(cfg.tracking_uri)
-    run_name = cfg.run_name or f"{cfg.algo}-{cfg.dataset}-{cfg.partition}-s{cfg.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
-    if not args.resume:
-        run_dir = make_run_dir(cfg, run_name, uri)
-    exp_id = open_experiment(uri, cfg.experiment)
-    print(f"rayfl: {cfg.algo} on {cfg.dataset} ({cfg.partition}), {cfg.clients} clients, "
-          f"{prepared.info.n_params} parameters ({prepared.model_spec.name}); run directory {run_dir}", flush=True)
-
-    init_ray(args.address)
     try:
-        from rayfl.actors.launch import launch
-
-        show = None if args.quiet else (lambda rec: print(format_round(rec), flush=True))
-        tracking = {"tracking_uri": uri, "experiment_id": exp_id, "run_name": run_name}
-        try:
-            result = launch(prepared, tracking, checkpoint_dir=run_dir, on_round=show,
-                            cluster_may_grow=bool(args.address or os.environ.get("RAY_ADDRESS")))
-        except UserError:
-            raise
-        except Exception as e:  # the run failed inside Ray: say what, and where its remains are
-            print(f"rayfl: run failed: {_root_cause(e)}", file=sys.stderr)
-            print(f"rayfl: what was logged is kept in MLflow ({uri}); checkpoints in {run_dir}", file=sys.stderr)
-            return 1
-    finally:
-        shutdown_ray()
+        result = run_config(cfg, resume=args.resume, address=args.address, progress=show)
+    except (UserError, RayStartError):
+        raise
+    except KeyboardInterrupt:
+        print(resume_hint(plan["cfg"], plan["run_dir"]) if plan else "rayfl: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # the run failed inside Ray: say what, and where its remains are
+        print(f"rayfl: run failed: {_root_cause(e)}", file=sys.stderr)
+        if plan:
+            print(f"rayfl: what was logged is kept in MLflow ({plan['tracking_uri']}); checkpoints in "
+                  f"{plan['run_dir']}", file=sys.stderr)
+        return 1
     print("\nfinal round, across clients:")
-    print(summary_table(result["final"]))
-    print(f"\nMLflow run {result['run_id']} in experiment {cfg.experiment!r} at {uri}")
-    print(f"look at it: mlflow ui --backend-store-uri {uri}   (then open http://127.0.0.1:5000)")
+    print(summary_table(result.final))
+    print(f"\nMLflow run {result.run_id} in experiment {plan['cfg'].experiment!r} at {result.tracking_uri}")
+    print(mlflow_hint(result.tracking_uri, result.experiment_id, result.run_id))
     return 0
+
+
+def resume_hint(cfg, run_dir: str) -> str:
+    """What Ctrl-C leaves: how to go on, or why one cannot."""
+    if cfg.checkpoint_every:
+        return (f"rayfl: interrupted; go on from the last checkpoint (every {cfg.checkpoint_every} rounds) with: "
+                f"rayfl run --resume {run_dir}")
+    return ("rayfl: interrupted; this run kept no checkpoints (checkpoint_every=0): add --checkpoint-every N "
+            "to be able to go on with --resume")
 
 
 def _root_cause(e: BaseException) -> str:
@@ -443,6 +432,7 @@ def _root_cause(e: BaseException) -> str:
 
 
 def main(argv=None) -> int:
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # not "Creating initial MLflow database tables..."
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

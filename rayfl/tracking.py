@@ -103,7 +103,8 @@ class MlflowTracker(Callback):
     def __init__(self, tracking_uri: str, experiment_id: str, run_name: str | None = None,
                  parent_run_id: str | None = None, extra_params: dict | None = None, tags: dict | None = None,
                  run_id: str | None = None):
-        """``run_id``: an MLflow run to reopen and go on with (a driver restarted after its predecessor died)."""
+        """``tags``: the submitting process's provenance (rayfl.provenance.origin) and the sweep's own;
+        ``run_id``: an MLflow run to reopen and go on with (a driver restarted after its predecessor died)."""
         self.uri = tracking_uri
         self.tags = tags or {}
         self.experiment_id = experiment_id
@@ -160,6 +161,8 @@ class MlflowTracker(Callback):
         import mlflow
         from mlflow.tracking import MlflowClient
 
+        from rayfl.provenance import run_tags
+
         mlflow.set_tracking_uri(self.uri)
         self._client = MlflowClient(self.uri)
         self.algo = loop.cfg.algo
@@ -172,7 +175,7 @@ class MlflowTracker(Callback):
             run = mlflow.start_run(run_id=open(resume_file).read().strip())
         else:
             run = mlflow.start_run(experiment_id=self.experiment_id, run_name=self.run_name,
-                                   parent_run_id=self.parent_run_id, tags=self.tags or None)
+                                   parent_run_id=self.parent_run_id, tags=run_tags(loop.cfg, self.tags))
             cfg = loop.cfg
             params = {**cfg.to_flat(), "model_resolved": loop.prepared.model_spec.name,
                       "n_params": loop.prepared.info.n_params, "n_actors": len(loop.runtime.placement()),

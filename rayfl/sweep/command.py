@@ -72,7 +72,8 @@ def _arg_values(args) -> tuple[dict, dict, dict]:
 
     file_values = read_yaml(args.config) if args.config else {}
     flag_values = {k: v for k, v in vars(args).items() if k in FIELDS and k != "params"}
-    return file_values, flag_values, parse_params(args.param)
+    # ``params``: a dict of knobs from the Python API (rayfl.tune), beside the -p KEY=VALUE flags
+    return file_values, flag_values, {**parse_params(args.param), **(getattr(args, "params", None) or {})}
 
 
 STATS = ("mean", "weighted_mean", "std", "worst", "bottom10_mean")  # rayfl.metrics.summarize
@@ -150,32 +151,16 @@ def _parent_run(meta: dict):
 
 
 def cmd_tune(args) -> int:
-    os.environ.setdefault("RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS", "0")
-    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
-    # Ctrl-C reaches us as KeyboardInterrupt (Tune's own handler would end fit() as if the sweep were done);
-    # Tune has saved its state by then, and --resume goes on from it.
-    os.environ.setdefault("TUNE_DISABLE_SIGINT_HANDLER", "1")
-    from rayfl.cli import check_address, config_flags_given, init_ray, shutdown_ray
+    """``rayfl tune``: the sweep runs through the Python API (:func:`rayfl.api.tune_args`)."""
+    from rayfl.api import SweepFailed, tune_args
 
-    check_address(args.address)
-    if args.resume:
-        extra = config_flags_given(args) + [f"--{k.replace('_', '-')}" for k in SWEEP_FLAGS if getattr(args, k)]
-        if extra:
-            raise UserError(f"--resume {args.resume!r} with {extra[0]}: a resumed sweep keeps its saved settings; "
-                            f"give only --resume DIR (and --address, --quiet)")
-        meta = _load_meta(args.resume)
-    else:
-        meta = _new_sweep(args)
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        init_ray(args.address)
     try:
-        return _run(meta, args, resume=bool(args.resume))
-    finally:
-        if started:
-            shutdown_ray()
+        tune_args(args)
+    except SweepFailed:  # no trial reported the metric: the sweep has said so
+        return 1
+    except KeyboardInterrupt:  # the sweep has printed how to resume
+        return 130
+    return 0
 
 
 # `rayfl tune` flags that only a new sweep takes (a resumed one keeps what it was started with).
@@ -454,7 +439,9 @@ def _finish(meta: dict, results, client) -> int:
     print(summary_table(best.metrics))
     print(f"\nMLflow: parent run {run_id} in experiment {meta['experiment']!r} at {meta['tracking_uri']}, "
           f"{len(df)} child run(s)")
-    print(f"look at it: mlflow ui --backend-store-uri {meta['tracking_uri']}   (then open http://127.0.0.1:5000)")
+    from rayfl.progress import mlflow_hint
+
+    print(mlflow_hint(meta["tracking_uri"], meta["experiment_id"]))
     if errors:
         print(f"rayfl tune: {errors} trial(s) failed; see {meta['sweep_dir']}", file=sys.stderr)
     return 0

@@ -1,0 +1,329 @@
+"""The Python API: :func:`run` one experiment, :func:`tune` a sweep; the ``rayfl`` command calls these.
+
+Settings are the config keys of ``rayfl run --help`` as keyword arguments (``clients=10``), algorithm
+knobs in ``params``; a YAML file or a dict may give a base (``config=``) that keywords override. A mistake
+raises :class:`rayfl.UserError` before Ray starts. Ray: the instance this process is already connected to
+(left running), else ``address`` / ``$RAY_ADDRESS``, else a private local instance shut down at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from rayfl.config import FIELDS, Config, UserError, make_config
+from rayfl.progress import RoundClock, ui_url
+
+Progress = Callable[[dict], None]
+
+
+# --------------------------------------------------------------------------------------------------
+# Results
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class RunResult:
+    """One experiment: ``final`` summary (the last round's metrics), ``history`` (a row per round),
+    ``clients`` (a row per client: its last evaluation), and where it is kept."""
+
+    final: dict
+    history: Any  # pandas.DataFrame
+    clients: Any  # pandas.DataFrame
+    run_id: str
+    run_dir: str
+    tracking_uri: str
+    experiment_id: str
+
+    @property
+    def mlflow_url(self) -> str:
+        return ui_url(self.tracking_uri, self.experiment_id, self.run_id)
+
+    def __repr__(self) -> str:
+        acc = {k: round(v, 4) for k, v in self.final.items() if k.startswith("test_acc_")}
+        return (f"RunResult(run_id={self.run_id!r}, rounds={len(self.history)}, clients={len(self.clients)}, "
+                f"{acc or {'final': len(self.final)}})")
+
+
+@dataclass
+class SweepResult:
+    """One sweep: ``table`` (a row per trial, best first), its MLflow parent run, the best trial's values."""
+
+    table: Any  # pandas.DataFrame
+    parent_run_id: str
+    sweep_dir: str
+    best: dict
+    tracking_uri: str
+    experiment_id: str
+
+    @property
+    def mlflow_url(self) -> str:
+        return ui_url(self.tracking_uri, self.experiment_id)
+
+
+class SweepFailed(RuntimeError):
+    """No trial of a sweep reported its metric (each trial's error is in the sweep directory)."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Config
+# --------------------------------------------------------------------------------------------------
+def make_run_config(config: str | dict | Config | None = None, **values) -> Config:
+    """A Config from a YAML path, a dict or a Config, overridden by keyword values (params merged)."""
+    if isinstance(config, Config):
+        config = dataclasses.asdict(config)
+    if config is not None and not isinstance(config, (str, os.PathLike, dict)):
+        raise UserError(f"config={config!r}: expected a YAML file path, a dict or a rayfl Config")
+    file = os.fspath(config) if isinstance(config, (str, os.PathLike)) else None
+    base = dict(config) if isinstance(config, dict) else {}
+    if "params" in values and not isinstance(values["params"], dict):
+        raise UserError(f"params={values['params']!r}: must be a dict of algorithm knobs")
+    params = {**(base.pop("params", None) or {}), **(values.pop("params", None) or {})}
+    overrides = {**base, **values}
+    if params:
+        overrides["params"] = params
+    return make_config(file, overrides)
+
+
+def _progress(progress: bool | Progress | None) -> Progress:
+    if callable(progress):
+        return progress
+    if progress:
+        from rayfl.progress import ConsoleProgress
+
+        return ConsoleProgress()
+    return lambda event: None
+
+
+def _start_ray(address: str | None, emit: Progress) -> bool:
+    """Connect unless this process already is; True when we started (and so must shut down) Ray."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    from rayfl.cli import init_ray
+
+    emit({"event": "cluster", "state": "starting", "address": address or os.environ.get("RAY_ADDRESS")})
+    t0 = time.monotonic()
+    init_ray(address)
+    emit({"event": "cluster", "state": "ready", "seconds": time.monotonic() - t0,
+          "resources": ray.cluster_resources(), "logs": _ray_logs_dir()})
+    return True
+
+
+def _ray_logs_dir() -> str | None:
+    """Where Ray writes its workers' and raylets' logs (kept out of the console)."""
+    try:
+        from ray._private import worker
+
+        return worker._global_node.get_logs_dir_path()
+    except Exception:  # noqa: BLE001 - a remote cluster keeps them on its head node
+        return None
+
+
+# --------------------------------------------------------------------------------------------------
+# run
+# --------------------------------------------------------------------------------------------------
+def run(config: str | dict | Config | None = None, *, resume: str | None = None, address: str | None = None,
+        progress: bool | Progress = True, **values) -> RunResult:
+    """Run one experiment and return its :class:`RunResult`.
+
+    ``rayfl.run(algo="fedfomo", dataset="digits", clients=10, rounds=5, params={"M": 3})``;
+    ``resume=DIR`` goes on from the last checkpoint of a run directory (its own config.yaml is used);
+    ``progress``: True prints lines as ``rayfl run`` does, False nothing, or a callable gets each event
+    (see :mod:`rayfl.progress`)."""
+    from rayfl.provenance import api_call
+
+    command = api_call("run", {**({"config": config} if config is not None else {}),
+                               **({"resume": resume} if resume else {}), **values})
+    if resume:
+        if config is not None or values:
+            raise UserError(f"resume={resume!r}: a resumed run uses its own config.yaml; pass no other settings")
+        cfg = None
+    else:
+        cfg = make_run_config(config, **values)
+    return run_config(cfg, resume=resume, address=address, progress=_progress(progress), command=command)
+
+
+def run_config(cfg: Config | None, *, resume: str | None = None, address: str | None = None,
+               progress: Progress = lambda e: None, command: str | None = None) -> RunResult:
+    """:func:`run` for a built Config (``None`` with ``resume``): checks, Ray, the run, the result."""
+    from rayfl.cli import check_address, load_run_dir, make_run_dir, open_experiment
+    from rayfl.experiment import prepare
+    from rayfl.provenance import origin
+    from rayfl.tracking import resolve_tracking_uri
+
+    check_address(address)
+    if resume:
+        cfg = load_run_dir(resume)
+    prepared = prepare(cfg)  # every user mistake surfaces here, before Ray starts
+    if not (address or os.environ.get("RAY_ADDRESS")):
+        from rayfl.actors.resources import preflight
+
+        preflight(cfg)  # a private instance on this machine: a request it cannot hold is refused now
+    uri = resolve_tracking_uri(cfg.tracking_uri)
+    run_name = cfg.run_name or f"{cfg.algo}-{cfg.dataset}-{cfg.partition}-s{cfg.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = os.path.abspath(resume) if resume else make_run_dir(cfg, run_name, uri)
+    exp_id = open_experiment(uri, cfg.experiment)
+    progress({"event": "plan", "cfg": cfg, "prepared": prepared, "run_dir": run_dir, "tracking_uri": uri,
+              "experiment_id": exp_id, "run_name": run_name})
+
+    started = _start_ray(address, progress)
+    clock, walls = RoundClock(), {}
+
+    def on_event(event: dict) -> None:
+        if event["event"] in ("start", "setup"):
+            clock.mark(event["time"])
+        progress(event)
+
+    def on_round(rec: dict) -> None:
+        walls[rec["step"]] = clock.round(rec)[0]
+        progress({"event": "round", **rec})
+
+    tracking = {"tracking_uri": uri, "experiment_id": exp_id, "run_name": run_name, "tags": origin(command)}
+    try:
+        from rayfl.actors.launch import launch
+
+        out = launch(prepared, tracking, checkpoint_dir=run_dir, on_round=on_round, on_event=on_event,
+                     cluster_may_grow=bool(address or os.environ.get("RAY_ADDRESS")))
+    finally:
+        if started:
+            from rayfl.cli import shutdown_ray
+
+            shutdown_ray()
+    result = RunResult(out["final"], _history(out["history"], walls), _clients(out["per_client"], prepared.info),
+                       out["run_id"], run_dir, uri, exp_id)
+    progress({"event": "done", "result": result})
+    return result
+
+
+def _history(rows: list[dict], walls: dict[int, float]):
+    """A row per round, counted from 1, with its whole wall time (evaluation and logging included; none
+    for rounds run before a resume)."""
+    import pandas as pd
+
+    df = pd.DataFrame(rows)
+    if df.empty:
+        return df
+    df.insert(0, "round", df["step"] + 1)
+    df["wall_seconds"] = df["step"].map(walls).astype(float)
+    return df
+
+
+def _clients(per_client: dict, info):
+    import pandas as pd
+
+    return pd.DataFrame([{"client": c, "n_train": info.n_train[c],
+                          "group": info.groups[c] if info.groups else None, **rec}
+                         for c, rec in sorted(per_client.items())])
+
+
+# --------------------------------------------------------------------------------------------------
+# tune
+# --------------------------------------------------------------------------------------------------
+SWEEP_DEFAULTS = {"space": None, "search": "grid", "num_samples": None, "max_concurrent": None,
+                  "scheduler": "fifo", "grace_period": None, "metric": None, "mode": None, "name": None,
+                  "storage_path": None}
+
+
+def tune(config: str | dict | Config | None = None, *, space: str | dict | None = None, search: str = "grid",
+         num_samples: int | None = None, max_concurrent: int | None = None, scheduler: str = "fifo",
+         grace_period: int | None = None, metric: str | None = None, mode: str | None = None,
+         name: str | None = None, storage_path: str | None = None, resume: str | None = None,
+         stage1_reuse: bool = True, address: str | None = None, progress: bool = True, **values) -> SweepResult:
+    """Sweep an algorithm's knobs with Ray Tune, as ``rayfl tune`` does; returns a :class:`SweepResult`.
+
+    ``space``: a space file, a dict with ``fixed`` / ``grid`` / ``random`` sections (as in
+    ``tune_spaces/*.yaml``), or None for ``tune_spaces/<algo>.yaml``. The other sweep arguments are those of
+    ``rayfl tune --help``; config keys and ``params`` fix the rest of the experiment."""
+    from rayfl.sweep.command import SCHEDULERS, SEARCHES
+
+    if search not in SEARCHES:
+        raise UserError(f"search={search!r}: unknown; allowed: {', '.join(SEARCHES)}")
+    if scheduler not in SCHEDULERS:
+        raise UserError(f"scheduler={scheduler!r}: unknown; allowed: {', '.join(SCHEDULERS)}")
+    if mode not in (None, "max", "min"):
+        raise UserError(f"mode={mode!r}: allowed: max, min")
+    unknown = sorted(set(values) - set(FIELDS))
+    if unknown:
+        raise UserError(f"unknown config key {unknown[0]!r}; allowed: {', '.join(FIELDS)}")
+    if resume and (config is not None or values or space is not None):
+        raise UserError(f"resume={resume!r}: a resumed sweep uses its own settings; pass no others")
+    params = values.pop("params", None) or {}
+    if not isinstance(params, dict):
+        raise UserError(f"params={params!r}: must be a dict of algorithm knobs")
+    file = None
+    if isinstance(config, Config):
+        config = dataclasses.asdict(config)
+    if isinstance(config, dict):
+        params = {**(config.get("params") or {}), **params}
+        values = {**{k: v for k, v in config.items() if k != "params"}, **values}
+    elif config is not None:
+        file = os.fspath(config)
+    args = argparse.Namespace(config=file, param=[], params=params, resume=resume, address=address,
+                              quiet=not progress, no_stage1_reuse=not stage1_reuse, search=search,
+                              num_samples=num_samples, max_concurrent=max_concurrent, scheduler=scheduler,
+                              grace_period=grace_period, metric=metric, mode=mode, name=name,
+                              storage_path=storage_path, space=space, **values)
+    if isinstance(space, dict):
+        args.space, args.name = _write_space(space, args, values)
+    return tune_args(args)
+
+
+def _write_space(space: dict, args, values: dict) -> tuple[str, str]:
+    """A space given as a dict is kept as a file beside the sweep (its record, and what resume reads)."""
+    import yaml
+
+    base = make_config(args.config, values)
+    name = args.name or f"{base.algo}-sweep-{time.strftime('%Y%m%d-%H%M%S')}"
+    folder = os.path.abspath(os.path.join(args.storage_path or os.path.join(base.out_dir, "tune"), "spaces"))
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"{name}.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(space, f, sort_keys=False)
+    return path, name
+
+
+def tune_args(args) -> SweepResult:
+    """A sweep from ``rayfl tune``'s arguments (what :func:`tune` builds): checks, Ray, Tune, the table."""
+    import pandas as pd
+
+    from rayfl.sweep import command
+
+    os.environ.setdefault("RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS", "0")
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+    # Ctrl-C reaches us as KeyboardInterrupt (Tune's own handler would end fit() as if the sweep were done);
+    # Tune has saved its state by then, and resume goes on from it.
+    os.environ.setdefault("TUNE_DISABLE_SIGINT_HANDLER", "1")
+    from rayfl.cli import check_address, config_flags_given
+
+    check_address(args.address)
+    if args.resume:
+        extra = config_flags_given(args) + [f"--{k.replace('_', '-')}" for k in command.SWEEP_FLAGS
+                                            if getattr(args, k, None)]
+        if extra:
+            raise UserError(f"--resume {args.resume!r} with {extra[0]}: a resumed sweep keeps its saved settings; "
+                            f"give only --resume DIR (and --address, --quiet)")
+        meta = command._load_meta(args.resume)
+    else:
+        meta = command._new_sweep(args)
+    emit = _progress(not args.quiet)
+    started = _start_ray(args.address, emit)
+    try:
+        code = command._run(meta, args, resume=bool(args.resume))
+    finally:
+        if started:
+            from rayfl.cli import shutdown_ray
+
+            shutdown_ray()
+    if code == 130:
+        raise KeyboardInterrupt
+    path = os.path.join(meta["sweep_dir"], "results.csv")
+    table = pd.read_csv(path) if os.path.isfile(path) else pd.DataFrame()
+    if code != 0:
+        raise SweepFailed(f"sweep {meta['name']}: no trial reported {meta['metric']}; see {meta['sweep_dir']}")
+    best = table.iloc[0][meta["swept"]].to_dict() if len(table) and meta["swept"] else {}
+    return SweepResult(table, meta["parent_run_id"], meta["sweep_dir"], best, meta["tracking_uri"],
+                       meta["experiment_id"])

@@ -1,0 +1,153 @@
+"""What a run tells its user while it runs: one event dict at a time, shown by :class:`ConsoleProgress`.
+
+Events (each a dict with an ``"event"`` key) in the order a run sends them:
+``plan`` (config, run directory), ``cluster`` (``state``: starting / ready), ``actors`` (``ready`` of
+``total`` client actors constructed), ``start`` and ``setup`` (the driver's clock when the loop starts),
+``round`` (one per round: the loop's record plus the driver's ``time``) and ``done``.
+A round's wall time is the gap between two consecutive driver times, so evaluation, MLflow logging and
+checkpoints are in it. Any callable taking such a dict can stand in for the console (``rayfl.run(progress=f)``).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+
+def format_round(rec: dict, wall: float | None = None, eta: float | None = None) -> str:
+    """One line per round: the summary across clients, the round's wall time and the time left."""
+    m = rec["metrics"]
+    parts = [f"round {rec['step'] + 1:>3}/{rec['total']} [{rec['stage']}]"]
+    if "test_acc_mean" in m:
+        parts.append(f"test acc {m['test_acc_mean']:.3f} (worst {m['test_acc_worst']:.3f})")
+    elif "test_loss_mean" in m:
+        parts.append(f"test loss {m['test_loss_mean']:.4f}")
+    if "val_acc_mean" in m:
+        parts.append(f"val acc {m['val_acc_mean']:.3f}")
+    if "train_loss" in m and m["train_loss"] == m["train_loss"]:
+        parts.append(f"train loss {m['train_loss']:.3f}")
+    parts.append(f"{m['round_seconds'] if wall is None else wall:.2f}s")
+    if eta is not None:
+        parts.append(f"eta {format_seconds(eta)}")
+    return "  ".join(parts)
+
+
+def format_seconds(s: float) -> str:
+    s = int(round(s))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+class RoundClock:
+    """Round wall times from the driver's timestamps, and the time left at their mean."""
+
+    def __init__(self):
+        self.last: float | None = None
+        self.walls: list[float] = []
+
+    def mark(self, t: float) -> None:
+        """The loop (re)started or finished its setup at driver time ``t``: round 1 counts from here."""
+        self.last = t
+
+    def round(self, rec: dict) -> tuple[float | None, float | None]:
+        wall = None if self.last is None else rec["time"] - self.last
+        self.last = rec["time"]
+        if wall is None:
+            return None, None
+        self.walls.append(wall)
+        left = rec["total"] - rec["step"] - 1
+        return wall, sum(self.walls) / len(self.walls) * left
+
+
+class ConsoleProgress:
+    """Plain lines on a pipe or file (CI logs, ``ray job submit``); on a terminal the actor count is
+    updated in place. ``rounds=False`` keeps the start-up lines and drops the per-round ones."""
+
+    def __init__(self, stream=None, rounds: bool = True, tty: bool | None = None, every: float = 10.0):
+        self.stream = stream or sys.stdout
+        self.rounds = rounds
+        self.tty = self.stream.isatty() if tty is None else tty
+        self.every = every  # seconds between repeated "actors ready" lines on a pipe
+        self.clock = RoundClock()
+        self.open_line = False  # a terminal line being rewritten in place
+        self.actors_since: float | None = None
+        self.last_actor_line = 0.0
+
+    def __call__(self, event: dict) -> None:
+        handler = getattr(self, "on_" + event["event"], None)
+        if handler:
+            handler(event)
+
+    def write(self, line: str, in_place: bool = False) -> None:
+        if in_place and self.tty:
+            self.stream.write("\r" + line.ljust(79))
+            self.open_line = True
+        else:
+            if self.open_line:
+                self.stream.write("\n")
+                self.open_line = False
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def on_plan(self, e: dict) -> None:
+        cfg, p = e["cfg"], e["prepared"]
+        self.write(f"rayfl: {cfg.algo} on {cfg.dataset} ({cfg.partition}), {cfg.clients} clients, "
+                   f"{p.info.n_params} parameters ({p.model_spec.name}); run directory {e['run_dir']}")
+
+    def on_cluster(self, e: dict) -> None:
+        if e["state"] == "starting":
+            where = f"connecting to Ray at {e['address']}" if e.get("address") else "starting a local Ray instance"
+            self.write(f"rayfl: {where} ...")
+        elif e["state"] == "ready":
+            res = e["resources"]
+            logs = f"; Ray's own logs: {e['logs']}" if e.get("logs") else ""
+            self.write(f"rayfl: Ray ready in {e['seconds']:.1f}s ({res.get('CPU', 0):g} CPUs, "
+                       f"{res.get('GPU', 0):g} GPUs){logs}")
+
+    def on_actors(self, e: dict) -> None:
+        now = time.monotonic()
+        if self.actors_since is None:
+            self.actors_since = now
+        line = f"rayfl: client actors ready {e['ready']}/{e['total']} ({now - self.actors_since:.0f}s)"
+        if e["ready"] == e["total"]:
+            self.write(line)
+        elif self.tty:
+            self.write(line, in_place=True)
+        elif e["ready"] == 0 or now - self.last_actor_line >= self.every:
+            self.write(line)
+            self.last_actor_line = now
+
+    def on_start(self, e: dict) -> None:
+        self.clock.mark(e["time"])
+        if e.get("start_step"):
+            self.write(f"rayfl: resuming after round {e['start_step']}/{e['total']}")
+
+    def on_setup(self, e: dict) -> None:
+        self.clock.mark(e["time"])
+
+    def on_round(self, e: dict) -> None:
+        wall, eta = self.clock.round(e)
+        if self.rounds:
+            self.write(format_round(e, wall, eta))
+
+
+def ui_url(tracking_uri: str, experiment_id: str, run_id: str | None = None,
+           base: str = "http://127.0.0.1:5000") -> str:
+    """Where the MLflow UI shows an experiment's runs table in its model-training view (MLflow 3 opens
+    an experiment on its GenAI page otherwise), or one run's page."""
+    if tracking_uri.startswith(("http://", "https://")):
+        base = tracking_uri.rstrip("/")
+    page = f"runs/{run_id}" if run_id else "runs"
+    return f"{base}/#/experiments/{experiment_id}/{page}?workflowType=machine_learning"
+
+
+def mlflow_hint(tracking_uri: str, experiment_id: str, run_id: str | None = None) -> str:
+    """The closing lines: how to start the UI on this store and the address that lands on the runs."""
+    lines = []
+    if not tracking_uri.startswith(("http://", "https://")):
+        lines.append(f"look at it: mlflow ui --backend-store-uri {tracking_uri}")
+    lines.append(f"  then open {ui_url(tracking_uri, experiment_id)}")
+    if run_id:
+        lines.append(f"  this run: {ui_url(tracking_uri, experiment_id, run_id)}")
+    lines.append('  (if MLflow shows its GenAI overview instead, click "Model training" in the GenAI | Model training '
+                 'switch at the top left)')
+    return "\n".join(lines)
