@@ -51,9 +51,8 @@ if mode == "local":
             stamps.append(time.time())
     Loop(prepared, LocalRuntime(prepared), [Stamp()]).run()
 else:
-    import ray
     from rayfl.actors.launch import launch
-    from rayfl.cli import init_ray
+    from rayfl.cli import init_ray, shutdown_ray
     from rayfl.tracking import ensure_experiment
     init_ray(None)
     tracking = None
@@ -61,7 +60,7 @@ else:
         tracking = {"tracking_uri": values["tracking_uri"], "run_name": "scale",
                     "experiment_id": ensure_experiment(values["tracking_uri"], "bench-scale")}
     launch(prepared, tracking, on_round=lambda rec: stamps.append(rec["time"]))
-    ray.shutdown()
+    shutdown_ray()
 print("RESULT " + json.dumps({"stamps": stamps, "startup": stamps[0] - T0}), flush=True)
 '''
 

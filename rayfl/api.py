@@ -232,7 +232,7 @@ def tune(config: str | dict | Config | None = None, *, space: str | dict | None 
          num_samples: int | None = None, max_concurrent: int | None = None, scheduler: str = "fifo",
          grace_period: int | None = None, metric: str | None = None, mode: str | None = None,
          name: str | None = None, storage_path: str | None = None, resume: str | None = None,
-         stage1_reuse: bool = True, address: str | None = None, progress: bool = True, **values) -> SweepResult:
+         stage_reuse: bool = True, address: str | None = None, progress: bool = True, **values) -> SweepResult:
     """Sweep an algorithm's knobs with Ray Tune, as ``rayfl tune`` does; returns a :class:`SweepResult`.
 
     ``space``: a space file, a dict with ``fixed`` / ``grid`` / ``random`` sections (as in
@@ -263,7 +263,7 @@ def tune(config: str | dict | Config | None = None, *, space: str | dict | None 
     elif config is not None:
         file = os.fspath(config)
     args = argparse.Namespace(config=file, param=[], params=params, resume=resume, address=address,
-                              quiet=not progress, no_stage1_reuse=not stage1_reuse, search=search,
+                              quiet=not progress, no_stage_reuse=not stage_reuse, search=search,
                               num_samples=num_samples, max_concurrent=max_concurrent, scheduler=scheduler,
                               grace_period=grace_period, metric=metric, mode=mode, name=name,
                               storage_path=storage_path, space=space, **values)

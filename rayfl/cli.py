@@ -153,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
             raise
     else:
         add_tune_parser(sub, add_config_arguments)
-    from rayfl.compare.command import add_compare_parser
+    from rayfl.comparison.command import add_compare_parser
 
     add_compare_parser(sub, add_config_arguments)
     return parser

@@ -9,8 +9,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from rayfl.compare.run import NO_FINAL_UPDATE, build_configs, final_rows
-from rayfl.compare.table import markdown, summarize_runs, with_paper
+from rayfl.comparison.run import NO_FINAL_UPDATE, build_configs, final_rows
+from rayfl.comparison.table import markdown, summarize_runs, with_paper
 from rayfl.config import UserError
 
 
@@ -97,7 +97,7 @@ def test_two_algorithms_two_seeds(mlflow_uri, tmp_path):
     """In process (no Ray): the parent run, its 4 children, the table and chart artifacts."""
     from mlflow.tracking import MlflowClient
 
-    from rayfl.compare import compare
+    from rayfl.comparison import compare
 
     res = compare(["local", "fedavg"], [0, 1], runtime="local", tracking_uri=mlflow_uri, experiment="cmp", **TINY)
     client = MlflowClient(mlflow_uri)
@@ -123,7 +123,7 @@ def test_concurrent_launches_on_ray(ray_session, mlflow_uri):
     """The Ray path: two experiments at once, each a child run of the parent, same numbers as in process."""
     from mlflow.tracking import MlflowClient
 
-    from rayfl.compare import compare
+    from rayfl.comparison import compare
 
     kw = dict(tracking_uri=mlflow_uri, experiment="cmp-ray", clients_per_actor=3, **TINY)
     res = compare(["fedavg"], [0, 1], max_concurrent=2, **kw)

@@ -3,7 +3,6 @@ Prints one JSON line on rank 0: the wall-clock time at the end of every central 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -16,11 +15,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--workload", required=True)
-    ap.add_argument("--data-root", required=True)
-    ap.add_argument("--rounds", type=int, default=8)
-    args = ap.parse_args()
+    from workload import worker_args
+
+    args = worker_args()
     torch.set_num_threads(1)
 
     from pfl.aggregate.simulate import SimulatedBackend

@@ -4,7 +4,6 @@ weighted sum, an average in the driver, and one evaluate call per actor. No trac
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -17,12 +16,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--workload", required=True)
-    ap.add_argument("--data-root", required=True)
-    ap.add_argument("--rounds", type=int, default=8)
-    ap.add_argument("--actors", type=int, default=os.cpu_count() or 2)
-    args = ap.parse_args()
+    from workload import worker_args
+
+    args = worker_args(**{"--actors": {"type": int, "default": os.cpu_count() or 2}})
     import ray
     from workload import BATCH, LR, federation
 

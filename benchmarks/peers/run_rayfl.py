@@ -4,7 +4,6 @@ included) and the start-up time from this process's start to the end of the firs
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -17,16 +16,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--workload", required=True)
-    ap.add_argument("--data-root", required=True)
-    ap.add_argument("--rounds", type=int, default=8)
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra config values")
-    args = ap.parse_args()
+    from workload import worker_args
+
+    args = worker_args(**{"--set": {"action": "append", "default": [], "metavar": "KEY=VALUE", "help": "extra config values"}})
     from workload import config_values
 
     from rayfl.actors.launch import launch
-    from rayfl.cli import init_ray, parse_params
+    from rayfl.cli import init_ray, parse_params, shutdown_ray
     from rayfl.config import make_config
     from rayfl.experiment import prepare
     from rayfl.tracking import ensure_experiment
@@ -40,9 +36,7 @@ def main() -> None:
         stamps: list[float] = []
         out = launch(prepared, {"tracking_uri": uri, "experiment_id": exp, "run_name": args.workload},
                      on_round=lambda rec: stamps.append(rec["time"]))
-        import ray
-
-        ray.shutdown()
+        shutdown_ray()
     print("RESULT " + json.dumps({"stamps": stamps, "startup": stamps[0] - T0,
                                   "acc": out["final"].get("test_acc_mean")}), flush=True)
 

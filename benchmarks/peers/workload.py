@@ -60,3 +60,17 @@ def steady(times: list[float]) -> float:
     """Median round time over rounds 2..end (the first round pays lazy start-up work everywhere)."""
     gaps = np.diff(np.asarray(times))[1:]
     return float(np.median(gaps)) if len(gaps) else float("nan")
+
+
+def worker_args(**extra):
+    """The command line every system's runner takes: --workload, --data-root, --rounds (and ``extra``:
+    flag -> argparse keywords)."""
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workload", required=True, choices=list(WORKLOADS))
+    ap.add_argument("--data-root", required=True)
+    ap.add_argument("--rounds", type=int, default=8)
+    for flag, kwargs in extra.items():
+        ap.add_argument(flag, **kwargs)
+    return ap.parse_args()

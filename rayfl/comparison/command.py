@@ -6,7 +6,7 @@ from rayfl.config import FIELDS, UserError, read_yaml
 
 
 def add_compare_parser(subparsers, add_config_arguments) -> None:
-    from rayfl.compare.presets import PRESETS
+    from rayfl.comparison.presets import PRESETS
 
     p = subparsers.add_parser(
         "compare", help="several algorithms x seeds on the same federation, as one table",
@@ -15,7 +15,7 @@ def add_compare_parser(subparsers, add_config_arguments) -> None:
                     "round's test accuracy (mean, worst client, bottom 10%). One MLflow parent run, a child run "
                     "per (algorithm, seed), the table (CSV, Markdown) and a bar chart as artifacts. Presets are "
                     "each paper's setting scaled to data we have, with the paper's numbers beside ours: "
-                    + ", ".join(PRESETS) + " (rayfl/compare/presets.py).")
+                    + ", ".join(PRESETS) + " (rayfl/comparison/presets.py).")
     add_config_arguments(p)
     g = p.add_argument_group("comparison")
     g.add_argument("--algos", metavar="A,B,...", help="algorithms to compare (default: the preset's)")
@@ -31,7 +31,7 @@ def add_compare_parser(subparsers, add_config_arguments) -> None:
 
 def cmd_compare(args) -> int:
     from rayfl.cli import format_round, parse_params
-    from rayfl.compare.run import compare
+    from rayfl.comparison.run import compare
 
     config = read_yaml(args.config) if args.config else {}
     if "algo" in vars(args):

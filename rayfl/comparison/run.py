@@ -18,8 +18,8 @@ from typing import Callable, Sequence
 
 import pandas as pd
 
-from rayfl.compare.presets import PRESETS
-from rayfl.compare.table import bar_chart, markdown, summarize_runs, with_paper
+from rayfl.comparison.presets import PRESETS
+from rayfl.comparison.table import bar_chart, markdown, summarize_runs, with_paper
 from rayfl.config import UserError, make_config
 
 NO_FINAL_UPDATE = "fedfomo-no-final-update"  # FedFomo at its last training round, before its extra update
@@ -131,7 +131,7 @@ def compare(algos: Sequence[str] | None = None, seeds: Sequence[int] = (0, 1, 2)
 
     ``config`` takes any ``rayfl run`` config key (``dataset="mnist"``, ``clients=15``, ...); ``params`` the
     algorithms' knobs (each goes to the algorithms that have it); ``preset`` one of
-    :data:`rayfl.compare.PRESETS`, whose values ``config`` overrides. ``runtime="local"`` runs in this
+    :data:`rayfl.comparison.PRESETS`, whose values ``config`` overrides. ``runtime="local"`` runs in this
     process without Ray (one experiment at a time); ``"ray"`` uses the connected cluster (or starts a
     private local one) with up to ``max_concurrent`` experiments at once (default: one per CPU).
     ``on_round(label, record)`` sees every round of every experiment."""
