@@ -35,6 +35,7 @@ class Callback:
     def on_round(self, loop: "Loop", record: "RoundRecord") -> None: ...
     def on_end(self, loop: "Loop") -> None: ...
     def on_recover(self, loop: "Loop", event: dict) -> None: ...  # client actors died; rounds are replayed
+    def on_checkpoint(self, loop: "Loop") -> None: ...  # before a checkpoint: make what was reported durable
 
 
 @dataclass
@@ -164,6 +165,8 @@ class Loop:
                 cb.on_round(self, record)
             self.reported = step
         if self.checkpoint_dir and self.cfg.checkpoint_every and (step + 1) % self.cfg.checkpoint_every == 0:
+            for cb in self.callbacks:  # a run resumed from this checkpoint does not report these rounds again
+                cb.on_checkpoint(self)
             self.save_checkpoint(step)
 
     @property

@@ -279,6 +279,12 @@ class MlflowTracker(Callback):
         self._close()
         mlflow.end_run()
 
+    def on_checkpoint(self, loop) -> None:
+        """Everything queued reaches the store before a checkpoint: a driver restarted from it does not log
+        those rounds again, so they must not die with this one's queue."""
+        if self.writer is not None:
+            self.writer.flush()
+
     def _close(self) -> None:
         """Drain the writer (raising its first error), then remove the temporary files."""
         try:

@@ -339,6 +339,10 @@ def files(tmp_path, monkeypatch):
     return tmp_path
 
 
+def _ray_up() -> bool:
+    return "ray" in sys.modules and sys.modules["ray"].is_initialized()
+
+
 def _ray_processes() -> set[int]:
     return {p.pid for p in psutil.Process().children(recursive=True)
             if any(n in p.name() for n in ("raylet", "gcs_server", "ray::"))}
@@ -355,13 +359,14 @@ def test_bad_input(argv, fragment, files, capsys):
     t = str(files)
     argv = [a.replace("{t}", t) for a in argv]
     before = _ray_processes()
+    was_up = _ray_up()  # another test module's Ray session may be up already
     code = main(argv)
     err = capsys.readouterr().err
     assert code == 2, err
     assert err.startswith("rayfl: error: ") and err.count("\n") == 1, err  # exactly one line
     assert fragment.replace("{t}", t) in err, err
     assert "Traceback" not in err
-    assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
+    assert _ray_up() == was_up  # Ray was not started (nor stopped)
     assert _ray_processes() <= before  # no raylet, GCS or worker was started
     assert not (files / "pwned").exists()  # a YAML tag never runs code
 
@@ -394,6 +399,7 @@ def test_ray_start_failure_is_one_line_exit_1(files, capsys, monkeypatch):
         raise RuntimeError("Failed to start GCS.\nLast 10 lines of error files: ...")
 
     monkeypatch.setattr(ray, "init", failing_init)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # as in a fresh process (other modules' Ray may be up)
     assert main(run("--tracking-uri", uri, "--out-dir", f"{files}/runs")) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err

@@ -317,7 +317,8 @@ def _run(meta: dict, args, resume: bool) -> int:
                                     functools.partial(_pg_factory, base=meta["base"], share=share))
     progress = _progress_callback(meta["metric"], meta["swept"], args.quiet, meta["n_trials"])
     run_config = tune.RunConfig(name=meta["name"], storage_path=meta["storage"], verbose=0, callbacks=[progress],
-                                failure_config=tune.FailureConfig(max_failures=0))
+                                # a trial whose own process died is retried, from its own checkpoint
+                                failure_config=tune.FailureConfig(max_failures=int(meta["base"].get("max_restarts", 3))))
     status = "FAILED"
     try:
         if resume:

@@ -46,6 +46,8 @@ def run_trial(config: dict, ctx: dict) -> None:
         else:
             values.setdefault("params", {})[key] = value
     values["stage_cache"] = ctx.get("stage_cache") or ""  # trials that agree up to a stage share it ("": off)
+    if not values.get("checkpoint_every"):
+        values["checkpoint_every"] = 1  # a trial Tune retries after its process died goes on from its last round
     cfg = make_config(None, values)
     prepared = prepare(cfg)
 
