@@ -1,4 +1,4 @@
-"""What the per-round in-memory snapshot costs on the MLP workload of bench_overhead.py.
+"""What the per-round in-memory snapshot costs on an MLP FedAvg workload (MNIST-t10k, mlp-784-100).
 
 Two measurements, both as a fraction of a round:
 
@@ -7,7 +7,7 @@ Two measurements, both as a fraction of a round:
    plain-data bytes) against the time of one FedAvg round of the same clients on the same host (training).
 2. On Ray, the same federation run with ``snapshot_every=1`` and ``snapshot_every=0``, alternately
    (``--repeats`` pairs): the median round time (training + aggregation + the snapshot; evaluation left
-   out, as in bench_overhead.py) of each, and the driver-side ``snapshot_seconds``.
+   out) of each, and the driver-side ``snapshot_seconds``.
 
     .venv/bin/python benchmarks/snapshot_cost.py                      # 15 and 100 clients, one actor per core
     .venv/bin/python benchmarks/snapshot_cost.py --clients 100 --rounds 8 --repeats 3

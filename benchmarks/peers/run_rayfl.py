@@ -18,7 +18,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 def main() -> None:
     from workload import worker_args
 
-    args = worker_args(**{"--set": {"action": "append", "default": [], "metavar": "KEY=VALUE", "help": "extra config values"}})
+    args = worker_args(**{"--set": {"action": "append", "default": [], "metavar": "KEY=VALUE", "help": "extra config values"},
+                          "--no-mlflow": {"action": "store_true", "help": "no tracking at all (to measure its cost)"}})
     from workload import config_values
 
     from rayfl.actors.launch import launch
@@ -34,7 +35,8 @@ def main() -> None:
         init_ray(None)
         exp = ensure_experiment(uri, "bench-peers")
         stamps: list[float] = []
-        out = launch(prepared, {"tracking_uri": uri, "experiment_id": exp, "run_name": args.workload},
+        tracking = None if args.no_mlflow else {"tracking_uri": uri, "experiment_id": exp, "run_name": args.workload}
+        out = launch(prepared, tracking,
                      on_round=lambda rec: stamps.append(rec["time"]))
         shutdown_ray()
     print("RESULT " + json.dumps({"stamps": stamps, "startup": stamps[0] - T0,
