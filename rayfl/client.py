@@ -138,10 +138,17 @@ class Client:
     def model(self, module: nn.Module) -> None:
         training.load_vector(self.model, training.to_vector(module))
 
-    @property
-    def has_model(self) -> bool:
-        """Whether the client has personal weights (an algorithm without a personal model never makes them)."""
-        return self._weights is not None or self._bench.owner is self
+    def weights(self) -> np.ndarray | None:
+        """The personal weights as a numpy copy, or None while the client has none (snapshots, artifacts)."""
+        if self._bench.owner is self:
+            self._bench.release()
+        return None if self._weights is None else self._weights.cpu().numpy().copy()
+
+    def set_weights(self, vec: np.ndarray | None) -> None:
+        """Replace the personal weights (None: back to the common initial model), as a restore does."""
+        if self._bench.owner is self:
+            self._bench.owner = None  # what the resident module held is superseded
+        self._weights = None if vec is None else torch.tensor(np.array(vec), device=self.device)
 
     def new_model(self, vec: np.ndarray | None = None) -> nn.Module:
         """A fresh copy of the architecture on this client's device, loaded from ``vec`` if given."""

@@ -135,14 +135,13 @@ class ClientHost:
 
     def vectors(self) -> dict[int, np.ndarray]:
         """The personal weights of every client that has them (FedAvg's clients have none)."""
-        self.bench.release()
-        return {cid: c._weights.cpu().numpy().copy() for cid, c in self.clients.items() if c._weights is not None}
+        vectors = {cid: c.weights() for cid, c in self.clients.items()}
+        return {cid: v for cid, v in vectors.items() if v is not None}
 
     def state(self) -> dict[int, bytes]:
         """Each client's weights, personal state, optimizer and RNGs as plain-data bytes (rayfl.snapshot): for
         in-memory snapshots and checkpoints; loading them never runs code."""
-        self.bench.release()
-        return {cid: _dump({"model": c._weights.cpu().numpy() if c._weights is not None else None,
+        return {cid: _dump({"model": c.weights(),
                             "state": c.state,
                             "optimizer": c.optimizer.state_dict() if c.optimizer else None,
                             "gen": c.gen.get_state(), "rng": c.rng.bit_generator.state})
@@ -155,7 +154,7 @@ class ClientHost:
         for cid, blob in states.items():
             c = self.clients[cid]
             st = loads(blob, device=self.device)
-            c._weights = None if st["model"] is None else torch.tensor(np.array(st["model"]), device=self.device)
+            c.set_weights(st["model"])
             c.state = st["state"]
             if st["optimizer"] is not None and c.optimizer is not None:
                 c.optimizer.load_state_dict(st["optimizer"])
