@@ -15,7 +15,7 @@ import time
 
 import ray
 
-from rayfl.loop import Callback
+from rayfl.loop import Callback, round_event
 
 
 class RoundQueue(Callback):
@@ -36,8 +36,7 @@ class RoundQueue(Callback):
         self.push({"event": "setup"})
 
     def on_round(self, loop, record) -> None:  # time: when the round ended, evaluation and logging included
-        self.push({"step": record.step, "stage": record.stage, "metrics": record.metrics,
-                   "participants": len(record.participants), "total": len(loop.schedule())})
+        self.push(round_event(loop, record))
 
     def on_recover(self, loop, event) -> None:
         self.push({"event": "client_restart", **event, "max_restarts": loop.cfg.max_restarts})
@@ -50,10 +49,10 @@ class RoundQueue(Callback):
 
 def wait_for_actors(actors: list, report, every: float = 1.0) -> None:
     """Block until every actor has been constructed, reporting ``{"event": "actors", "ready", "total"}``
-    as they come up; an actor whose constructor failed raises here."""
+    as they come up (the submitter reported 0 when it asked for them); an actor whose constructor failed
+    raises here."""
     pending = [a.__ray_ready__.remote() for a in actors]  # Ray's built-in no-op method of every actor
     total, ready = len(pending), 0
-    report({"event": "actors", "ready": 0, "total": total})
     while pending:
         done, pending = ray.wait(pending, num_returns=len(pending), timeout=every)
         if done:
@@ -62,54 +61,32 @@ def wait_for_actors(actors: list, report, every: float = 1.0) -> None:
             report({"event": "actors", "ready": ready, "total": total})
 
 
-def _import_mlflow() -> None:
-    """MLflow takes seconds to import: done while the client actors start, not after."""
-    import mlflow  # noqa: F401
-
-
 @ray.remote(max_concurrency=2)
 class DriverActor:
-    def __init__(self, prepared, x_ref, y_ref, resources, n_actors: int, tracking: dict,
-                 checkpoint_dir: str | None, actor_options=None, resume: dict | None = None):
-        self.prepared, self.x_ref, self.y_ref = prepared, x_ref, y_ref
-        self.resources, self.n_actors = resources, n_actors
-        self.tracking, self.checkpoint_dir = tracking, checkpoint_dir
-        self.actor_options = actor_options
+    def __init__(self, prepared, actors: list, resources, tracking: dict, checkpoint_dir: str | None,
+                 resume: dict | None = None):
+        """``actors``: the run's client actors, started by the submitter at the same time as this driver."""
+        from rayfl.actors.runtime import RayRuntime
+
+        self.prepared, self.tracking, self.checkpoint_dir = prepared, tracking, checkpoint_dir
         self.resume = resume or {}
         self.queue = RoundQueue()
         self.loop = None
         self.tracker = None
-        # the client actors start now, while this process goes on to import MLflow and open the run
-        from rayfl.actors.runtime import RayRuntime
-
-        scheduling = (lambda i: self.actor_options[i]) if self.actor_options else None
-        self.runtime = RayRuntime(prepared, x_ref[0], y_ref[0], resources, n_actors, scheduling)
-        threading.Thread(target=_import_mlflow, daemon=True).start()
+        self.runtime = RayRuntime(prepared, actors, resources)
 
     def run(self) -> dict:
-        from rayfl.loop import Loop, RunStopped
+        from rayfl.inprocess import execute
+        from rayfl.loop import Loop
         from rayfl.tracking import MlflowTracker
 
-        runtime = self.runtime
-        wait_for_actors(runtime.actors, self.queue.push)
+        # the MLflow run opens while the client actors finish starting
         tracker = self.tracker = (MlflowTracker(**self.tracking, run_id=self.resume.get("run_id"))
                                   if self.tracking is not None else None)  # None: benchmarks
+        wait_for_actors(self.runtime.actors, self.queue.push)
         callbacks = [tracker, self.queue] if tracker else [self.queue]
-        loop = self.loop = Loop(self.prepared, runtime, callbacks, self.checkpoint_dir)
-        try:
-            loop.run()
-        except RunStopped:
-            if tracker:
-                tracker.fail("KILLED")
-            raise
-        except BaseException:
-            if tracker:
-                tracker.fail()
-            raise
-        finally:
-            runtime.shutdown()
-        return {"final": loop.final, "history": loop.history, "per_client": loop.last_eval,
-                "run_id": tracker.run_id if tracker else None, "client_restarts": loop.restarts}
+        self.loop = Loop(self.prepared, self.runtime, callbacks, self.checkpoint_dir)
+        return execute(self.loop, tracker)
 
     def poll(self) -> dict:
         """Rounds (and client restarts) since the last poll, and the MLflow run id once the run has one."""

@@ -10,13 +10,16 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import tempfile
 import time
+from contextlib import contextmanager
 from typing import Callable
 
 import ray
 
 from rayfl.actors.driver import DriverActor
 from rayfl.actors.resources import DRIVER_CPUS, n_actors_for, plan_actor_resources, preflight
+from rayfl.actors.runtime import start_client_actors
 from rayfl.config import UserError
 
 
@@ -52,14 +55,18 @@ def launch(prepared, tracking: dict | None, checkpoint_dir: str | None = None,
     else:
         n_actors = len(actor_options) if actor_options else n_actors_for(cfg, ray.cluster_resources())
     ds = prepared.dataset
-    # Wrapped in a list so the driver receives the refs themselves, not the arrays.
-    x_ref, y_ref = [ray.put(ds.x)], [ray.put(ds.y)]
+    x_ref, y_ref = ray.put(ds.x), ray.put(ds.y)
     light = dataclasses.replace(prepared, dataset=dataclasses.replace(ds, x=None, y=None))
     seen = {"run_id": None, "step": -1, "since": time.time()}
     for attempt in range(cfg.max_restarts + 1):
         resume = {"run_id": _run_id(seen, checkpoint_dir)} if attempt else None
+        # the client actors and the driver start side by side (each is a process that imports torch)
+        with _ray_warnings_to_log():
+            actors, kept = start_client_actors(light, x_ref, y_ref, resources, n_actors, actor_options)
+        if on_event:
+            on_event({"event": "actors", "ready": 0, "total": n_actors, "time": time.time()})
         driver = DriverActor.options(num_cpus=DRIVER_CPUS, **(driver_options or {})).remote(
-            light, x_ref, y_ref, resources, n_actors, tracking, checkpoint_dir, actor_options, resume)
+            light, actors, resources, tracking, checkpoint_dir, resume)
         try:
             result = _follow(driver, seen, on_round, on_event, poll_seconds, stop_grace_seconds)
         except ray.exceptions.RayActorError as e:
@@ -76,7 +83,9 @@ def launch(prepared, tracking: dict | None, checkpoint_dir: str | None = None,
                 raise e.cause from None
             raise
         finally:
-            ray.kill(driver)
+            for actor in [driver, *actors]:
+                ray.kill(actor)
+            del kept  # held until here: a client actor that Ray re-creates is built from them again
         if attempt:
             _tag_restarts(tracking, result["run_id"], attempt)
         return result
@@ -84,6 +93,27 @@ def launch(prepared, tracking: dict | None, checkpoint_dir: str | None = None,
     _close_failed(tracking, run_id, attempt)
     raise DriverLost(f"the driver actor died {cfg.max_restarts + 1} times (max_restarts={cfg.max_restarts}); "
                      f"last: {_first_line(lost)}") from lost
+
+
+@contextmanager
+def _ray_warnings_to_log():
+    """Ray's core worker warns on stderr about each restartable actor with constructor arguments in the object
+    store (that they must stay alive: :func:`launch` keeps them): into Ray's log directory, not the console."""
+    try:
+        from ray._private import worker
+
+        folder = worker._global_node.get_logs_dir_path()
+    except Exception:  # noqa: BLE001 - connected to a remote cluster: its logs are on its head node
+        folder = tempfile.gettempdir()
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.path.join(folder, "rayfl-submitter.err"), "ab") as f:
+            os.dup2(f.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def _follow(driver, seen: dict, on_round, on_event, poll_seconds: float, stop_grace_seconds: float) -> dict:

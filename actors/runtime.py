@@ -18,21 +18,29 @@ from rayfl.actors.resources import ActorResources
 from rayfl.runtime import ClientsLost, assign_hosts, gather, group_by_host
 
 
+def start_client_actors(prepared, x_ref, y_ref, resources: ActorResources, n_actors: int,
+                        actor_options: list[dict] | None = None) -> tuple[list, list]:
+    """Ask Ray for the client actors of a run, the clients spread evenly (:func:`assign_hosts`); returns at
+    once with the handles and the refs of their constructor arguments, which the caller keeps for as long as
+    the actors may restart (Ray re-creates a dead actor from them, but does not keep them itself).
+    ``actor_options[i]``: extra ``.options`` for actor i (a Tune trial's placement-group bundle)."""
+    cfg, fed = prepared.cfg, prepared.federation
+    initial_ref = ray.put(prepared.initial)
+    blocks = [ray.put({c: fed.clients[c] for c in block}) for block in assign_hosts(cfg.clients, n_actors)]
+    actors = [ClientActor.options(**resources.options(), max_restarts=cfg.max_restarts,
+                                  **(actor_options[h] if actor_options else {})).remote(
+                  cfg, prepared.model_spec, prepared.info.task, x_ref, y_ref, block, initial_ref, fed.holdout)
+              for h, block in enumerate(blocks)]
+    return actors, [x_ref, y_ref, initial_ref, *blocks]
+
+
 class RayRuntime:
-    def __init__(self, prepared, x_ref, y_ref, resources: ActorResources, n_actors: int, scheduling=None):
-        """``scheduling(i)`` gives extra ``.options`` for actor i (a Tune trial's placement-group bundle)."""
-        cfg, fed = prepared.cfg, prepared.federation
-        blocks = assign_hosts(cfg.clients, n_actors)
+    def __init__(self, prepared, actors: list, resources: ActorResources):
+        """Over client actors from :func:`start_client_actors` (for the same ``prepared``)."""
+        blocks = assign_hosts(prepared.cfg.clients, len(actors))
         self.host_of = {c: h for h, block in enumerate(blocks) for c in block}
-        initial_ref = self.initial_ref = ray.put(prepared.initial)  # kept: Ray needs it again to restart an actor
         self.resources = resources
-        self.actors = [
-            ClientActor.options(**resources.options(), max_restarts=cfg.max_restarts,
-                                **(scheduling(h) if scheduling else {})).remote(
-                cfg, prepared.model_spec, prepared.info.task, x_ref, y_ref,
-                {c: fed.clients[c] for c in block}, initial_ref, fed.holdout)
-            for h, block in enumerate(blocks)
-        ]
+        self.actors = list(actors)
 
     def call(self, step, messages, reduce=None):
         batches = group_by_host(messages, self.host_of)

@@ -47,6 +47,12 @@ class RoundRecord:
     per_client: dict[int, dict] = field(default_factory=dict)  # evaluation records, when evaluated
 
 
+def round_event(loop: "Loop", record: RoundRecord) -> dict:
+    """What a submitter sees of a round (progress, Tune reports): plain data, the same from every runtime."""
+    return {"step": record.step, "stage": record.stage, "metrics": record.metrics,
+            "participants": len(record.participants), "total": len(loop.schedule())}
+
+
 class Loop:
     def __init__(self, prepared, runtime, callbacks=(), checkpoint_dir: str | None = None):
         self.prepared = prepared

@@ -312,3 +312,18 @@ def test_user_errors_by_dataset():
     tiny = Dataset("tiny", np.zeros((20, 4), np.float32), np.arange(20) % 2, "classification", 2, (4,))
     with pytest.raises(UserError, match="groups=3"):
         fed(tiny, partition="permutation", groups=3, clients=3)
+
+
+def test_digits_are_scikit_learns_digits():
+    """The embedded default is read from scikit-learn's file directly: the same images and labels as
+    ``load_digits`` gives (before our standardization)."""
+    from sklearn.datasets import load_digits
+
+    from rayfl.data.datasets import _digits, _standardize
+
+    d = load_digits()
+    ours = _digits()
+    expected = _standardize((d.images.astype(np.float32) / 16.0)[:, None, :, :])
+    assert ours.x.shape == (1797, 1, 8, 8) and ours.input_shape == (1, 8, 8)
+    np.testing.assert_array_equal(ours.y, d.target)
+    np.testing.assert_allclose(ours.x, expected, rtol=0, atol=1e-6)

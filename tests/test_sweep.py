@@ -15,7 +15,7 @@ from rayfl.config import UserError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--dataset", "synthetic", "--partition", "iid", "--clients", "3", "--rounds", "2",
-        "--samples-per-client", "40", "--batch-size", "16", "--clients-per-actor", "3"]  # 3 processes a trial
+        "--samples-per-client", "40", "--batch-size", "16", "--clients-per-actor", "3"]  # one client actor: in-process trials
 
 
 def write(tmp_path, text: str, name: str = "space.yaml") -> str:
@@ -152,20 +152,41 @@ def test_grid_sweep_2x2_four_children_one_parent(ray_session, tmp_path, capsys):
     assert {"plots/val_acc_mean_vs_lr.png", "plots/val_acc_mean_vs_local_epochs.png",
             "plots/val_acc_mean_lr_x_local_epochs.png"} <= arts  # a heatmap for a two-knob grid
 
-    # resources: every trial had its own placement group holding exactly a half of the 2 CPUs at most,
-    # and with 2 at once on 2 CPUs the trials ran side by side (an actor outside its group would hang).
+    # resources: 2 at once on 2 CPUs gives each trial one CPU, one client actor's worth: each trial ran its
+    # clients in its own process (one bundle of at most 1 CPU), the trials side by side, and Tune reused
+    # those processes (4 trials, at most 2 processes).
     results = pd.read_csv(sweep_dir / "results.csv")
     assert results.mlflow_run_id.notna().all()
     import json
 
     progress = [pd.read_json(p, lines=True).iloc[-1] for p in glob.glob(str(sweep_dir / "*" / "result.json"))]
-    assert len(progress) == 4 and len({p.pg_id for p in progress}) == 4
-    assert all(p.bundle_cpus <= 1.0 + 1e-9 for p in progress)
+    assert len(progress) == 4 and all(p.bundle_cpus <= 1.0 + 1e-9 for p in progress)
+    assert len({p.trial_pid for p in progress}) <= 2 and len({p.pg_id for p in progress}) <= 2
     spans = sorted((p.trial_start, p.trial_end) for p in progress)
     assert any(b[0] < a[1] for a, b in zip(spans, spans[1:])), "no two trials overlapped"
     bundles = [json.loads(b) for b in kids["params.tune_bundles"]]
-    for b, n_cpus in zip(bundles, kids["params.n_actors"]):
-        assert len(b) == 2 + int(n_cpus) and sum(x["CPU"] for x in b) <= 1.0 + 1e-9
+    assert all(len(b) == 1 and b[0]["CPU"] <= 1.0 + 1e-9 for b in bundles)
+    assert set(kids["params.n_actors"]) == {"1"}
+
+
+def test_a_trial_with_more_than_one_slot_runs_on_its_own_actors(ray_session, tmp_path, capsys):
+    """One trial at a time on 2 CPUs: the trial's share holds 2 client actors, so it gets a driver and client
+    actors pinned to its placement group, as a run does."""
+    import json
+
+    import mlflow
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    path = write(tmp_path, "grid:\n  lr: [0.05]\n")
+    code = main(["tune", "--algo", "fedavg", "--space", path, *TINY, "--clients-per-actor", "auto", "--tracking-uri",
+                 uri, "--max-concurrent", "1", "--storage-path", str(tmp_path / "tune"), "--name", "t1", "--quiet"])
+    assert code == 0, capsys.readouterr().out
+    mlflow.set_tracking_uri(uri)
+    kids = mlflow.search_runs(mlflow.get_experiment_by_name("rayfl").experiment_id,
+                              filter_string="tags.`rayfl.role` = 'trial'")
+    assert len(kids) == 1 and kids.status[0] == "FINISHED"
+    bundles = json.loads(kids["params.tune_bundles"][0])
+    assert kids["params.n_actors"][0] == "2" and len(bundles) == 2 + 2 and sum(b["CPU"] for b in bundles) <= 2.0
 
 
 def test_persfl_reuse_gives_the_stage2_result_of_a_run_without_it(ray_session, tmp_path, capsys):

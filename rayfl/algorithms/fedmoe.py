@@ -47,7 +47,6 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-import pandas as pd
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -220,6 +219,8 @@ class FedMoEServer(FedAvgServer):
         return self.selected()
 
     def artifacts(self):
+        import pandas as pd
+
         k = self.info.n_clients
         return {"opt_in": pd.DataFrame({"client": range(k), "opt_in": [c in set(self.opt_in) for c in range(k)]}),
                 "selection": pd.DataFrame(self.selection)}

@@ -39,15 +39,18 @@ Choices where the paper is silent (written down as the brief asks):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pandas as pd
 import torch
 import torch.nn.functional as F
 
 from rayfl.algorithms.base import Algorithm, Stage
 from rayfl.algorithms.baselines import FedAvgClient, FedAvgServer, weighted_mean
 from rayfl import training
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 VARIANTS = ("sgd", "gd")  # sgd: PersFL's KL soft loss (Eq. 3, trained by plain SGD); gd: PersFL-GD (Eq. 7)
 TEACHERS = ("best", "final")
@@ -173,6 +176,8 @@ class PersFLServer(FedAvgServer):
         cids = list(range(self.info.n_clients))
         call("select_teacher", {c: {"models": {"global": self.global_ref}, "round": self.info.rounds} for c in cids})
         ups = call("distill", {c: {"seed": self.info.seed} for c in cids})
+        import pandas as pd
+
         self.table = pd.DataFrame([{"client": c, "teacher_round": ups[c]["teacher_round"],
                                     "teacher_val_loss": ups[c]["teacher_loss"], "lam": ups[c]["lam"],
                                     "T": ups[c]["T"], "val_acc": ups[c]["val_acc"], "val_loss": ups[c]["val_loss"]}

@@ -35,15 +35,17 @@ Choices where the paper is silent (spec 003 §3.3-3.5), written down here:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pandas as pd
 import torch
-from scipy.spatial.distance import cdist
 
 from rayfl import training
 from rayfl.algorithms.base import Algorithm, ClientLogic, Server, Stage
 from rayfl.algorithms.baselines import weighted_mean
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 SIGMA_FLOOR = 1e-12
 SILHOUETTE_MAX_K = 10
@@ -67,6 +69,8 @@ def collaboration_weights(grads: np.ndarray, sigma2: np.ndarray, n: np.ndarray) 
     """W (m x m, rows sum to 1) from the users' mean gradients (m x d), variances σ² and sizes n (eq. 6).
 
     Log-space softmax: the n_i of the paper's ratio n_j / n_i cancels (spec 003 §3.2)."""
+    from scipy.spatial.distance import cdist
+
     g = np.asarray(grads, dtype=np.float64)
     delta = cdist(g, g, "sqeuclidean")  # Δ_ij = ||g_i - g_j||², pairwise differences: no cancellation
     s = np.sqrt(np.maximum(np.asarray(sigma2, dtype=np.float64), SIGMA_FLOOR))  # σ: standard deviations
@@ -158,6 +162,8 @@ class UserCentricServer(Server):
         self.labels, self.centroids = assign_streams(self.w, self.params.streams, self.info.seed)
         self.stream_refs = [self.initial] * self.centroids.shape[0]  # every stream starts at θ^0
         self.silhouette = silhouette_scores(self.w, self.info.seed)
+        import pandas as pd
+
         self.stats = pd.DataFrame({"client": cids, "stream": self.labels, "n": n, "sigma2": sigma2,
                                    "group": self.info.groups if self.info.groups else [None] * m})
         metrics = {"streams": float(self.centroids.shape[0]), "w_self_mean": float(np.diag(self.w).mean()),
@@ -183,6 +189,8 @@ class UserCentricServer(Server):
         return {c: {"models": {"personal": self.stream_refs[self.labels[c]]}} for c in cids}
 
     def artifacts(self):
+        import pandas as pd
+
         out = {"W": self.w, "streams": self.stats,
                "silhouette": pd.DataFrame({"k": list(self.silhouette), "silhouette": list(self.silhouette.values())})}
         if self.centroids.shape[0] < self.info.n_clients:

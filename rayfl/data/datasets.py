@@ -32,8 +32,22 @@ class Dataset:
         return len(self.x)
 
 
+_LAST: dict = {}  # the last dataset this process loaded, by what it was loaded from
+
+
 def load_dataset(cfg: Config) -> Dataset:
-    """The dataset cfg.dataset names; synthetic ones are generated from cfg.seed."""
+    """The dataset cfg.dataset names; synthetic ones are generated from cfg.seed. The last one loaded is kept
+    (read-only), so a process that prepares run after run (sweep trials, ``compare --local``) loads it once."""
+    key = (cfg.dataset, cfg.data_root, cfg.download, cfg.seed if cfg.dataset in ("synthetic", "sine") else None)
+    if key not in _LAST:
+        ds = _load(cfg)
+        ds.x.flags.writeable = ds.y.flags.writeable = False
+        _LAST.clear()
+        _LAST[key] = ds
+    return _LAST[key]
+
+
+def _load(cfg: Config) -> Dataset:
     name = cfg.dataset
     if name == "digits":
         return _digits()
@@ -83,12 +97,23 @@ def check_labels(y: np.ndarray, num_classes: int, source: str) -> None:
 
 
 def _digits() -> Dataset:
-    """scikit-learn's 8x8 digits (1797 images): the dataset that needs no files and no network."""
-    from sklearn.datasets import load_digits
+    """scikit-learn's 8x8 digits (1797 images): the dataset that needs no files and no network. Read from
+    the file scikit-learn ships, as its ``load_digits`` does, without importing scikit-learn (2 s of start-up)."""
+    import importlib.util
 
-    d = load_digits()
-    x = (d.images.astype(np.float32) / 16.0)[:, None, :, :]
-    return _images("digits", x, d.target, 10)
+    spec = importlib.util.find_spec("sklearn")
+    path = os.path.join(os.path.dirname(spec.origin), "datasets", "data", "digits.csv.gz") if spec else ""
+    try:
+        table = np.loadtxt(path, delimiter=",", dtype=np.float32)
+    except (OSError, ValueError):
+        table = None
+    if table is None or table.shape != (1797, 65):  # another layout: let scikit-learn read it
+        from sklearn.datasets import load_digits
+
+        d = load_digits()
+        table = np.hstack([d.data, d.target[:, None]]).astype(np.float32)
+    x = (table[:, :64] / 16.0).reshape(-1, 1, 8, 8)
+    return _images("digits", x, table[:, 64].astype(np.int64), 10)
 
 
 def _synthetic(seed: int) -> Dataset:

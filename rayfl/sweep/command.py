@@ -250,12 +250,12 @@ def _plan_from_meta(meta: dict) -> Plan:
 
 
 def _default_concurrency(meta: dict, cluster: dict) -> int:
-    from rayfl.actors.resources import DRIVER_CPUS, n_actors_for
+    """One trial per client-actor slot (``torch_threads`` CPUs, within memory), at most one per trial: trials
+    are independent, so running them side by side beats spreading one over the cluster, and a trial whose
+    share is one slot runs in its own (reused) process."""
+    from rayfl.actors.resources import slots
 
-    cfg = make_config(None, meta["base"])
-    n_actors = n_actors_for(cfg, cluster)
-    per_trial = TRIAL_CPUS + DRIVER_CPUS + n_actors * (cfg.cpus_per_actor or cfg.torch_threads)
-    return max(1, min(meta["n_trials"], int(cluster.get("CPU", 1.0) // per_trial)))
+    return max(1, min(meta["n_trials"], slots(make_config(None, meta["base"]), cluster)))
 
 
 def _run(meta: dict, args, resume: bool) -> int:
@@ -335,7 +335,8 @@ def _run(meta: dict, args, resume: bool) -> int:
                     search_alg=_search_alg(meta["search"], meta["seed"], meta["max_concurrent"], meta["metric"],
                                            meta["mode"]),
                     scheduler=_scheduler(meta["scheduler"], meta["metric"], meta["mode"], meta["grace_period"]),
-                    max_concurrent_trials=meta["max_concurrent"]),
+                    max_concurrent_trials=meta["max_concurrent"],
+                    reuse_actors=True),  # an in-process trial's process, imports and data cache serve the next
                 run_config=run_config)
         results = tuner.fit()
         code = _finish(meta, results, client)

@@ -1,6 +1,9 @@
-"""Trial resources: one placement group per trial, ``[trial bundle, driver bundle, one bundle per client
-actor]`` (:func:`trial_bundles`); the driver and every client actor are pinned to their bundle index, so
-concurrent trials never take each other's CPUs or GPUs and a trial's actors go when its group goes.
+"""Trial resources: one placement group per trial (:func:`trial_bundles`). A trial whose share of the cluster
+holds one client actor runs its clients in its own process: one bundle, and Tune reuses that process for the
+next trial, so a sweep of small trials pays Ray's start-up once per process, not per trial. A larger share
+gets ``[trial, driver, one bundle per client actor]``, the driver and every client actor pinned to their
+bundle index, so concurrent trials never take each other's CPUs or GPUs and a trial's actors go when its
+group goes.
 """
 
 from __future__ import annotations
@@ -15,9 +18,13 @@ TRIAL_CPUS = 0.05  # the trial function mostly waits on its driver
 # --------------------------------------------------------------------------------------------------
 def trial_bundles(cfg, share: dict) -> list[dict]:
     """``[trial, driver, client actor 0, ...]`` for one trial with ``share`` of the cluster
-    (``{"CPU": c, "GPU": g}`` = cluster / max concurrent trials). Every actor asks exactly its bundle."""
+    (``{"CPU": c, "GPU": g}`` = cluster / max concurrent trials), every actor asking exactly its bundle;
+    ``[trial]`` alone (an in-process trial) when the share holds one client actor."""
     from rayfl.actors.resources import DRIVER_CPUS, n_actors_for, plan_actor_resources
 
+    if in_process(cfg, share):
+        res = plan_actor_resources(cfg, 1, {**share, "CPU": share["CPU"] + DRIVER_CPUS})
+        return [{"CPU": min(res.num_cpus, share["CPU"]), **({"GPU": res.num_gpus} if res.num_gpus > 0 else {})}]
     room = {"CPU": share["CPU"] - TRIAL_CPUS, "GPU": share.get("GPU", 0.0)}
     n_actors = n_actors_for(cfg, room)
     res = plan_actor_resources(cfg, n_actors, room)
@@ -25,6 +32,14 @@ def trial_bundles(cfg, share: dict) -> list[dict]:
     if res.num_gpus > 0:
         actor["GPU"] = res.num_gpus
     return [{"CPU": TRIAL_CPUS}, {"CPU": DRIVER_CPUS}] + [dict(actor) for _ in range(n_actors)]
+
+
+def in_process(cfg, share: dict) -> bool:
+    """Whether a trial with ``share`` of the cluster runs its clients in its own process: its placement
+    would be one client actor (``clients_per_actor`` covering every client, or auto with one slot)."""
+    from rayfl.actors.resources import n_actors_for
+
+    return n_actors_for(cfg, share) == 1
 
 
 def _bundles_for(config: dict, base: dict, share: dict) -> list[dict]:

@@ -1,5 +1,6 @@
-"""The trial (:func:`run_trial`): one trial is one experiment, run inside the trial's placement group. Each
-round is a ``tune.report``; the last one is held back until the experiment (and its MLflow child run) has
+"""The trial (:func:`run_trial`): one trial is one experiment, run inside the trial's placement group: in the
+trial's own process when the group is one bundle, else on a driver and client actors pinned to its bundles
+(:mod:`rayfl.sweep.placement`). Each round is a ``tune.report``; the last one is held back until the experiment (and its MLflow child run) has
 finished, since under ASHA nothing after the final report is sure to run.
 """
 
@@ -31,10 +32,7 @@ def trial_name(swept: dict, values: dict) -> str:
 def run_trial(config: dict, ctx: dict) -> None:
     from ray import tune
     from ray.util import get_current_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from rayfl.actors.launch import launch
-    from rayfl.actors.resources import ActorResources
     from rayfl.experiment import prepare
     from rayfl.tracking import numeric
 
@@ -53,10 +51,6 @@ def run_trial(config: dict, ctx: dict) -> None:
 
     pg = get_current_placement_group()
     bundles = pg.bundle_specs
-    n_actors = len(bundles) - 2
-    actor = bundles[2]
-    resources = ActorResources(float(actor.get("CPU", 0.0)), float(actor.get("GPU", 0.0)))
-    pin = lambda i: {"scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)}  # noqa: E731
     swept = {k: config[k] for k in ctx["swept"] if k in config}
     tracking = {"tracking_uri": ctx["tracking_uri"], "experiment_id": ctx["experiment_id"],
                 "parent_run_id": ctx["parent_run_id"], "run_name": trial_name(swept, values),
@@ -81,11 +75,31 @@ def run_trial(config: dict, ctx: dict) -> None:
         tune.report(result)
 
     t0 = time.time()
-    out = launch(prepared, tracking, checkpoint_dir=os.path.join(ctx["sweep_dir"], "trials", trial_id),
-                 on_round=on_round, resources=resources, driver_options=pin(1),
-                 actor_options=[pin(2 + i) for i in range(n_actors)])
+    checkpoint_dir = os.path.join(ctx["sweep_dir"], "trials", trial_id)
+    if len(bundles) == 1:  # the trial's share holds one client actor: its clients live in this process
+        from rayfl.inprocess import run_in_process
+
+        out = run_in_process(prepared, tracking, checkpoint_dir, on_round)
+    else:
+        out = _launch_in_group(prepared, tracking, checkpoint_dir, on_round, pg)
     final = state["held"] or {k: v for k, v in numeric(out["final"]).items()}
     final.update({"mlflow_run_id": out["run_id"], "trial_seconds": time.time() - t0, "rounds_run": state["rounds_run"],
-                  "pg_id": pg.id.hex(), "trial_start": t0, "trial_end": time.time(),
+                  "pg_id": pg.id.hex(), "trial_pid": os.getpid(), "trial_start": t0, "trial_end": time.time(),
                   "bundle_cpus": bundle_total(bundles).get("CPU", 0.0)})
     tune.report(final)
+
+
+def _launch_in_group(prepared, tracking: dict, checkpoint_dir: str, on_round, pg) -> dict:
+    """The trial on a driver actor and client actors, each pinned to its bundle of the trial's group."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from rayfl.actors.launch import launch
+    from rayfl.actors.resources import ActorResources
+
+    bundles = pg.bundle_specs
+    n_actors = len(bundles) - 2
+    actor = bundles[2]
+    resources = ActorResources(float(actor.get("CPU", 0.0)), float(actor.get("GPU", 0.0)))
+    pin = lambda i: {"scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)}  # noqa: E731
+    return launch(prepared, tracking, checkpoint_dir=checkpoint_dir, on_round=on_round, resources=resources,
+                  driver_options=pin(1), actor_options=[pin(2 + i) for i in range(n_actors)])
