@@ -45,13 +45,15 @@ class Bench:
     (copied in on first use, copied back when another client takes it or the host call ends), ``spare`` is a
     working model any step may load a vector into (FedAvg's training copy), and ``loaded`` keeps the models
     that received vectors (peers' models, candidates) loaded for the rest of one host call, so that a vector
-    routed to several clients of a host is loaded once (FedeRiCo's mixtures, FedFomo's candidates)."""
+    routed to several clients of a host is loaded once (FedeRiCo's mixtures, FedFomo's candidates). Those
+    modules are kept for the next call (``free``): building a module costs more than loading a vector."""
 
     MAX_LOADED = 64  # models kept loaded within a call (a step may use more at once: then there are more)
 
     def __init__(self, make_model: Callable[[], nn.Module], initial: np.ndarray | None, device: str = "cpu"):
         self.make_model, self.device = make_model, device
         self.loaded: dict[int, tuple] = {}  # id(vector) -> (vector, module, step that last used it)
+        self.free: list[nn.Module] = []  # modules loaded in an earlier call, ready for another vector
         self.step = 0  # advanced by the host before each client's step
         self.resident = self.fresh()
         if initial is None:  # no common initial model: a freshly initialised one
@@ -83,14 +85,16 @@ class Bench:
             old = next((k for k, (_, _, step) in self.loaded.items() if step != self.step), None)
             if old is not None:
                 module = self.loaded.pop(old)[1]
-        module = module if module is not None else self.fresh()
+        if module is None:
+            module = self.free.pop() if self.free else self.fresh()
         training.load_vector(module, vec)
         self.loaded[key] = (vec, module, self.step)
         return module
 
     def end_call(self) -> None:
-        """The host call is over: weights go home, loaded vectors are let go."""
+        """The host call is over: weights go home, loaded vectors are let go (their modules kept)."""
         self.release()
+        self.free.extend(module for _, module, _ in self.loaded.values())
         self.loaded.clear()
 
     def release(self) -> None:

@@ -31,6 +31,7 @@ from rayfl.loop import Callback
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 CLIENT_PREFIX = "client/"  # per-client metrics: client/<id>/test_acc
+METRICS_EVERY = 1.0  # seconds: the most a metric waits for its batch to be sent to the store
 
 
 def resolve_tracking_uri(uri: str | None) -> str:
@@ -64,11 +65,13 @@ def numeric(metrics: dict, finite_only: bool = True) -> dict[str, float]:
 
 class Writer:
     """One background thread that runs logging jobs in order; ``flush`` waits for all of them and re-raises
-    the first error, so a failing store is reported instead of silently dropping values."""
+    the first error, so a failing store is reported instead of silently dropping values. ``idle`` runs
+    whenever no job came for ``every`` seconds, and before a flush completes (sending what jobs batched)."""
 
-    def __init__(self):
+    def __init__(self, idle: Callable[[], None] = lambda: None, every: float = 1.0):
         self._jobs: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
+        self._idle, self._every = idle, every
         self._thread = threading.Thread(target=self._work, name="rayfl-mlflow-writer", daemon=True)
         self._thread.start()
 
@@ -77,18 +80,27 @@ class Writer:
 
     def _work(self) -> None:
         while True:
-            job = self._jobs.get()
+            try:
+                job = self._jobs.get(timeout=self._every)
+            except queue.Empty:
+                self._run(self._idle)
+                continue
             try:
                 if job is None:
                     return
-                if self._error is None:
-                    job()
-            except BaseException as e:  # noqa: BLE001 - kept and raised by flush
-                self._error = e
+                self._run(job)
             finally:
                 self._jobs.task_done()
 
+    def _run(self, job: Callable[[], None]) -> None:
+        if self._error is None:
+            try:
+                job()
+            except BaseException as e:  # noqa: BLE001 - kept and raised by flush
+                self._error = e
+
     def flush(self) -> None:
+        self._jobs.put(self._idle)
         self._jobs.join()
         if self._error is not None:
             error, self._error = self._error, None
@@ -115,6 +127,8 @@ class MlflowTracker(Callback):
         self.reopen = run_id
         self.client_metrics = False
         self.writer: Writer | None = None
+        self._pending: list = []  # metrics waiting for the writer's next batch
+        self._sent = 0.0
         self.algo = ""
         self._tmp = tempfile.mkdtemp(prefix="rayfl-artifacts-")
 
@@ -123,10 +137,20 @@ class MlflowTracker(Callback):
         self.writer.submit(job)
 
     def _log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Queued for the next batch: a call to the store costs about as much as 60 values in it, so rounds
+        shorter than ``METRICS_EVERY`` share one call (sent then, when the writer is idle, and on flush)."""
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self._log_items([Metric(k, v, now, step) for k, v in metrics.items()])
+        self._pending.extend(Metric(k, v, now, step) for k, v in metrics.items())
+        if len(self._pending) >= 1000 or time.monotonic() - self._sent >= METRICS_EVERY:
+            self._send_metrics()
+
+    def _send_metrics(self) -> None:
+        items, self._pending = self._pending, []
+        self._sent = time.monotonic()
+        if items:
+            self._log_items(items)
 
     def _log_items(self, items: list) -> None:
         for start in range(0, len(items), 1000):  # MLflow's limit per batch
@@ -188,7 +212,7 @@ class MlflowTracker(Callback):
                              "results/clients.json")
         self.run_id = run.info.run_id
         self.client_metrics = loop.cfg.clients <= loop.cfg.client_metrics
-        self.writer = Writer()
+        self.writer = Writer(idle=self._send_metrics, every=METRICS_EVERY)
         reuse = loop.stage_reuse.reused if loop.stage_reuse else None
         if reuse and not resumed:  # a stored stage (rayfl.stage_cache): its rounds, as if they had run here
             from mlflow.entities import Metric

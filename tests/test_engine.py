@@ -109,3 +109,37 @@ def test_per_client_metrics_only_for_small_federations(tmp_path):
     Loop(p, LocalRuntime(p), [tracker]).run()
     metrics = MlflowClient(uri).get_run(tracker.run_id).data.metrics
     assert "test_acc_mean" in metrics and not any(k.startswith("client/") for k in metrics)
+
+
+def test_quick_rounds_share_store_calls_and_every_value_arrives(tmp_path, monkeypatch):
+    """Rounds shorter than METRICS_EVERY are sent in shared batches (fewer store calls than rounds), yet every
+    round's value reaches the store, at its round; a lone round is sent within METRICS_EVERY even if no
+    other round follows."""
+    import time
+
+    from rayfl import tracking
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    calls = []
+    original = MlflowClient.log_batch
+    monkeypatch.setattr(MlflowClient, "log_batch", lambda self, *a, **k: (calls.append(1), original(self, *a, **k))[1])
+    p = prepare(tiny(algo="fedavg", clients=3, rounds=12))
+    tracker = MlflowTracker(uri, ensure_experiment(uri, "t"))
+    Loop(p, LocalRuntime(p), [tracker]).run()
+    client = MlflowClient(uri)
+    assert [m.step for m in client.get_metric_history(tracker.run_id, "test_acc_mean")] == list(range(1, 13))
+    assert len(client.get_metric_history(tracker.run_id, "client/2/test_acc")) == 12
+    assert len(calls) < 12
+
+    # the idle writer sends what waits: a metric queued alone is in the store within METRICS_EVERY (+ margin)
+    monkeypatch.setattr(tracking, "METRICS_EVERY", 0.2)
+    t = MlflowTracker(uri, ensure_experiment(uri, "t"))
+    t._client, t.run_id = client, client.create_run(ensure_experiment(uri, "t")).info.run_id
+    t.writer = tracking.Writer(idle=t._send_metrics, every=0.2)
+    t._sent = time.monotonic()  # as if a batch had just gone: this value must wait for the idle send
+    t._submit(lambda: t._log_metrics({"x": 1.0}, 1))
+    deadline = time.monotonic() + 5
+    while not client.get_metric_history(t.run_id, "x") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [m.value for m in client.get_metric_history(t.run_id, "x")] == [1.0]
+    t.writer.close()
