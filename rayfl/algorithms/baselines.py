@@ -58,7 +58,7 @@ class FedAvgClient(ClientLogic):
         return {"weights": client.vector(model), **result}
 
     def step_evaluate(self, client, msg, models):
-        return client.evaluate(client.scratch(models["global"]) if "global" in models else client.model)
+        return client.evaluate(client.model_of(models["global"]) if "global" in models else client.model)
 
 
 @dataclass
