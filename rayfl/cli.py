@@ -51,7 +51,8 @@ GROUPS = {
     },
     "evaluation, tracking, keeping": {
         "eval_every": "evaluate every client every N rounds (the last round always)",
-        "client_metrics": "per-client values also as MLflow metrics for up to N clients (always as a table)",
+        "client_metrics": "per-client values also as MLflow metrics (client/<id>/...) for federations of up to N "
+                          "clients; always in a table per round (default 0: the run page opens on the summary)",
         "checkpoint_every": "checkpoint every N rounds (0: never); resume with --resume DIR",
         "snapshot_every": "in-memory snapshot of every client every N rounds, replayed from when an actor dies "
                           "(0: only at the start)",

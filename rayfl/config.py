@@ -64,7 +64,8 @@ class Config:
     seed: int = 0
     # evaluation, logging, keeping
     eval_every: int = 1
-    client_metrics: int = 100  # per-client values also as MLflow metrics up to this many clients (0: never)
+    client_metrics: int = 0  # per-client values also as MLflow metrics up to this many clients (0: never;
+    # MLflow 3 shows every prefixed section before the summary, so they are off by default)
     checkpoint_every: int = 0  # 0: no checkpoints
     snapshot_every: int = 1  # in-memory snapshot of every client every N rounds, to replay from after a fault
     max_restarts: int = 3  # client-actor and driver restarts survived per run before it fails

@@ -3,8 +3,10 @@
 One MLflow run per experiment (a child of a sweep's parent run under Tune): every resolved config value
 as a param, per-round summary metrics with ``step=round``, per-client values as one table artifact per
 evaluated round (``results/clients/round_NNNN.csv``; also as metrics ``client/<id>/<name>`` for
-federations of at most ``client_metrics`` clients), and artifacts (config, placement, per-client results,
-round history, final weights, plots, and whatever the algorithm keeps, such as FedFomo's P matrix).
+federations of at most ``client_metrics`` clients, off by default: MLflow 3 shows every prefixed section
+of a run's charts before the unprefixed summary), and artifacts (config, placement, per-client results,
+round history, the final summary as ``results/final.json`` (the last point of every series, not a second
+set of one-point charts), final weights, plots, and whatever the algorithm keeps, such as FedFomo's P).
 
 Everything after the run's start is written by one background thread (:class:`Writer`), so that a round
 never waits on the tracking store; the run is closed only after the writer has drained its queue, when the
@@ -283,7 +285,7 @@ class MlflowTracker(Callback):
         final_vec = loop.runtime.get([final])[0] if final is not None else None
         vectors = loop.runtime.client_vectors()
         artifacts = loop.server.artifacts()
-        final_metrics = {f"final_{k}": v for k, v in numeric(loop.final, finite_only=False).items()}
+        summary = numeric(loop.final, finite_only=False)  # also the last point of every series
         hist = list(loop.history)
 
         def job():
@@ -297,7 +299,7 @@ class MlflowTracker(Callback):
             self._client.log_figure(self.run_id, accuracy_plot(hist, title), "plots/accuracy.png")
             for name, obj in artifacts.items():
                 self._log_object(name, obj, "algorithm")
-            self._log_metrics(final_metrics, hist[-1]["step"] + 1 if hist else 0)
+            self._client.log_dict(self.run_id, summary, "results/final.json")
 
         self._submit(job)
         self._close()

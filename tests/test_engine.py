@@ -70,7 +70,7 @@ class Boom(Exception):
 def test_background_writer_keeps_every_value_when_the_run_fails(tmp_path):
     """Rounds 1-2 logged through the background writer all reach the store although round 3 fails."""
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    cfg = tiny(algo="fedavg", clients=4, rounds=5)
+    cfg = tiny(algo="fedavg", clients=4, rounds=5, client_metrics=100)
     p = prepare(cfg)
     tracker = MlflowTracker(uri, ensure_experiment(uri, "t"), run_name="fails")
     loop = Loop(p, LocalRuntime(p), [tracker])
@@ -123,7 +123,7 @@ def test_quick_rounds_share_store_calls_and_every_value_arrives(tmp_path, monkey
     calls = []
     original = MlflowClient.log_batch
     monkeypatch.setattr(MlflowClient, "log_batch", lambda self, *a, **k: (calls.append(1), original(self, *a, **k))[1])
-    p = prepare(tiny(algo="fedavg", clients=3, rounds=12))
+    p = prepare(tiny(algo="fedavg", clients=3, rounds=12, client_metrics=100))
     tracker = MlflowTracker(uri, ensure_experiment(uri, "t"))
     Loop(p, LocalRuntime(p), [tracker]).run()
     client = MlflowClient(uri)
