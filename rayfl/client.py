@@ -127,6 +127,7 @@ class Client:
         self.rng = np.random.default_rng([seed, cid])
         self.gen = torch.Generator().manual_seed(int(self.rng.integers(2**62)))
         self.optimizer = None  # an algorithm that keeps optimizer state across rounds sets it
+        self._joined_key, self._joined_xy = None, None  # evaluation splits end to end (see evaluate)
 
     # --- sizes -----------------------------------------------------------------------------------
     def n(self, split: str = "train") -> int:
@@ -199,11 +200,25 @@ class Client:
         x, y = self.splits[split]
         return training.evaluate(model, x, y, self.settings.task)[0]
 
+    SMALL_EVAL = 1024  # splits with at most this many samples in all are evaluated in one forward pass
+
     def evaluate(self, model: nn.Module | Callable, splits=("val", "test")) -> dict:
         """Loss and accuracy of ``model`` on each split, with split sizes: the loop's evaluation record."""
+        sizes = [self.n(split) for split in splits]
+        if 1 < len(splits) and sum(sizes) <= self.SMALL_EVAL:
+            x, y = self._joined(tuple(splits))
+            results = training.evaluate_small(model, x, y, sizes, self.settings.task)
+        else:
+            results = [training.evaluate(model, *self.splits[split], self.settings.task) for split in splits]
         out: dict[str, float] = {}
-        for split in splits:
-            x, y = self.splits[split]
-            loss, acc = training.evaluate(model, x, y, self.settings.task)
-            out[f"{split}_loss"], out[f"{split}_acc"], out[f"n_{split}"] = loss, acc, int(x.shape[0])
+        for split, n, (loss, acc) in zip(splits, sizes, results):
+            out[f"{split}_loss"], out[f"{split}_acc"], out[f"n_{split}"] = loss, acc, n
         return out
+
+    def _joined(self, splits: tuple) -> tuple:
+        """The splits' samples end to end, kept while the splits stay the same tensors."""
+        key = tuple((s, id(self.splits[s][0])) for s in splits)
+        if self._joined_key != key:
+            self._joined_xy = tuple(torch.cat([self.splits[s][i] for s in splits]) for i in (0, 1))
+            self._joined_key = key
+        return self._joined_xy

@@ -170,6 +170,29 @@ def train_epochs(model: nn.Module, x: torch.Tensor, y: torch.Tensor, epochs: int
 
 
 @torch.no_grad()
+def evaluate_small(model: nn.Module, x: torch.Tensor, y: torch.Tensor, sizes: list[int], task: str) -> list[tuple]:
+    """:func:`evaluate` of consecutive segments of (x, y) (``sizes`` samples each) in one forward pass: for
+    clients whose splits are small, where each forward's fixed cost, not the arithmetic, is the price."""
+    set_mode(model, training=False)
+    out = model(x)
+    losses = loss_fn_for(task)(out, y, reduction="none")
+    per_sample = losses.reshape(losses.shape[0], -1).sum(1).double()
+    correct = (out.argmax(1) == y) if task != "regression" else None
+    results, start = [], 0
+    for n in sizes:
+        if n == 0:
+            results.append((float("nan"), float("nan")))
+            continue
+        total = float(per_sample[start:start + n].sum())
+        if task == "regression":
+            results.append((total / (n * y[0].numel()), float("nan")))
+        else:
+            results.append((total / n, int(correct[start:start + n].sum()) / n))
+        start += n
+    return results
+
+
+@torch.no_grad()
 def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, task: str, batch_size: int = 1024) -> tuple:
     """(mean loss, accuracy) on (x, y); accuracy is NaN for regression and for an empty split."""
     n = x.shape[0]

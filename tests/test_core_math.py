@@ -216,3 +216,25 @@ def test_preflight_refuses_what_this_machine_cannot_hold_before_ray_starts():
         preflight(make_config(None, {"clients": 200, "clients_per_actor": 1, "cpus_per_actor": 0.005}),
                   {"CPU": 2.0, "memory": 15 * 2**30})
     assert preflight(make_config(None, {"clients": 200}))[0] >= 1  # this machine, described before Ray starts
+
+
+def test_small_splits_evaluated_in_one_pass_equal_separate_evaluations():
+    """Client.evaluate joins small splits into one forward pass; each split's loss and accuracy equal
+    training.evaluate on that split alone (classification and regression, an empty split included)."""
+    import torch
+
+    from rayfl import training
+    from rayfl.client import Client, TrainSettings
+
+    torch.manual_seed(0)
+    for task, out_dim, y_of in (("classification", 4, lambda n: torch.randint(0, 4, (n,))),
+                                ("regression", 2, lambda n: torch.randn(n, 2))):
+        model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.ReLU(), torch.nn.Linear(8, out_dim))
+        splits = {s: (torch.randn(n, 3), y_of(n)) for s, n in (("train", 5), ("val", 7), ("test", 11), ("empty", 0))}
+        client = Client(0, splits, lambda: model, None, TrainSettings(task, 1, 0.1, 4), seed=0)
+        rec = client.evaluate(model, ("val", "test", "empty"))
+        for s in ("val", "test", "empty"):
+            loss, acc = training.evaluate(model, *splits[s], task)
+            assert rec[f"n_{s}"] == splits[s][0].shape[0]
+            np.testing.assert_allclose([rec[f"{s}_loss"], rec[f"{s}_acc"]], [loss, acc], rtol=1e-6, equal_nan=True)
+        assert rec["val_loss"] != rec["test_loss"]  # the segments are told apart
