@@ -90,6 +90,23 @@ def test_trial_bundles_are_what_the_actors_ask():
     assert sweep.bundle_total(bundles)["CPU"] <= 1.0 and sweep.bundle_total(bundles)["GPU"] <= 0.5
 
 
+def test_a_one_slot_share_is_one_bundle_and_default_concurrency_is_one_trial_per_slot():
+    """A trial whose share holds one client actor runs in its own process: one bundle of its share; the
+    default number of trials at once is the cluster's slots (torch_threads CPUs each), at most the trials."""
+    from conftest import tiny
+
+    from rayfl.sweep.command import _default_concurrency
+
+    cfg = tiny(clients=10)  # clients_per_actor auto, torch_threads 1
+    assert sweep.trial_bundles(cfg, {"CPU": 1.0, "GPU": 0.0}) == [{"CPU": 1.0}]
+    assert sweep.trial_bundles(cfg, {"CPU": 1.0, "GPU": 0.5}) == [{"CPU": 1.0, "GPU": 0.5}]
+    assert len(sweep.trial_bundles(cfg, {"CPU": 2.0, "GPU": 0.0})) == 2 + 2  # two slots: driver + 2 actors
+    base = {k: v for k, v in vars(cfg).items() if k != "params"}
+    assert _default_concurrency({"n_trials": 35, "base": base}, {"CPU": 2.0}) == 2
+    assert _default_concurrency({"n_trials": 3, "base": base}, {"CPU": 16.0}) == 3
+    assert _default_concurrency({"n_trials": 35, "base": {**base, "torch_threads": 4}}, {"CPU": 16.0}) == 4
+
+
 def test_trial_names_put_the_knobs_first():
     name = sweep.trial_name({"lam": 0.5, "T": 5}, {"algo": "persfl", "dataset": "digits", "seed": 0})
     assert name == "lam=0.5,T=5 · persfl-digits-s0"
