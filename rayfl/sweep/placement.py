@@ -22,16 +22,17 @@ def trial_bundles(cfg, share: dict) -> list[dict]:
     ``[trial]`` alone (an in-process trial) when the share holds one client actor."""
     from rayfl.actors.resources import DRIVER_CPUS, n_actors_for, plan_actor_resources
 
-    if in_process(cfg, share):
-        res = plan_actor_resources(cfg, 1, {**share, "CPU": share["CPU"] + DRIVER_CPUS})
-        return [{"CPU": min(res.num_cpus, share["CPU"]), **({"GPU": res.num_gpus} if res.num_gpus > 0 else {})}]
+    if in_process(cfg, share):  # the trial's own process is its one client actor
+        cpus = cfg.cpus_per_actor or min(float(cfg.torch_threads), share["CPU"])
+        return [_bundle(cpus, plan_actor_resources(cfg, 1, share).num_gpus)]
     room = {"CPU": share["CPU"] - TRIAL_CPUS, "GPU": share.get("GPU", 0.0)}
     n_actors = n_actors_for(cfg, room)
     res = plan_actor_resources(cfg, n_actors, room)
-    actor = {"CPU": res.num_cpus}
-    if res.num_gpus > 0:
-        actor["GPU"] = res.num_gpus
-    return [{"CPU": TRIAL_CPUS}, {"CPU": DRIVER_CPUS}] + [dict(actor) for _ in range(n_actors)]
+    return [{"CPU": TRIAL_CPUS}, {"CPU": DRIVER_CPUS}] + [_bundle(res.num_cpus, res.num_gpus) for _ in range(n_actors)]
+
+
+def _bundle(cpus: float, gpus: float) -> dict:
+    return {"CPU": cpus, **({"GPU": gpus} if gpus > 0 else {})}
 
 
 def in_process(cfg, share: dict) -> bool:
