@@ -38,14 +38,14 @@ def accumulate(reduce: WeightedMean | None, upload: dict, partial: Partial) -> N
     the field (a client that only evaluated) adds nothing."""
     if reduce is None or reduce.key not in upload:
         return
-    vec = np.asarray(upload.pop(reduce.key), dtype=np.float64)
+    vec = np.asarray(upload.pop(reduce.key))
     w = float(upload[reduce.by])
     total, weight = partial.get(reduce.key, (None, 0.0))
     if w > 0:
         if total is None:
-            total = w * vec
+            total = np.multiply(vec, w, dtype=np.float64)
         else:
-            total += w * vec
+            total += np.multiply(vec, w, dtype=np.float64)  # w v_k in float64 too: no float32 rounding
         weight += w
     partial[reduce.key] = (total, weight)
 

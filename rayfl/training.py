@@ -88,14 +88,10 @@ class FlatSGD:
     def __init__(self, model: nn.Module, lr: float, momentum: float = 0.0, weight_decay: float = 0.0):
         self.flat = model._rayfl_flat
         self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
-        self.grad = torch.zeros_like(self.flat)
         self.buf: torch.Tensor | None = None
-        offset = 0
-        for t in _float_state(model):
-            n = t.numel()
-            if isinstance(t, nn.Parameter) and t.requires_grad:
-                t.grad = self.grad[offset:offset + n].view_as(t)  # backward accumulates into the flat buffer
-            offset += n
+        self.grad = _flat_grad(model)
+
+
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # the flat buffer stays; it is zeroed in place
         self.grad.zero_()
@@ -112,6 +108,24 @@ class FlatSGD:
                 self.buf.mul_(self.momentum).add_(g)
             g = self.buf
         self.flat.add_(g, alpha=-self.lr)
+
+
+def _flat_grad(model: nn.Module) -> torch.Tensor:
+    """The model's flat gradient buffer, zeroed, every parameter's ``.grad`` a view of it; made once per
+    module (a host's resident and spare modules train client after client)."""
+    params = [t for t in _float_state(model) if isinstance(t, nn.Parameter) and t.requires_grad]
+    grad = getattr(model, "_rayfl_grad", None)
+    if grad is not None and all(p.grad is not None and p.grad._base is grad for p in params):
+        return grad.zero_()  # still linked (nothing set the grads to None or to other tensors since)
+    grad = torch.zeros_like(model._rayfl_flat)
+    offset = 0
+    for t in _float_state(model):
+        n = t.numel()
+        if isinstance(t, nn.Parameter) and t.requires_grad:
+            t.grad = grad[offset:offset + n].view_as(t)  # backward accumulates into the flat buffer
+        offset += n
+    model._rayfl_grad = grad
+    return grad
 
 
 def optimizer_for(model: nn.Module, name: str, lr: float, momentum: float = 0.0, weight_decay: float = 0.0):

@@ -192,6 +192,16 @@ def test_flat_sgd_steps_like_torch_sgd(momentum, weight_decay):
     assert losses[0] == pytest.approx(losses[1], rel=1e-6)
     assert not np.allclose(to_vector(ref), to_vector(make()))  # it did move
     np.testing.assert_allclose(to_vector(flat), to_vector(ref), rtol=1e-5, atol=1e-6)
+    # a second optimizer on the same module (the next client) reuses its gradient buffer; one made after
+    # something set the grads to None (a torch optimizer's zero_grad) links a new one: both still equal SGD
+    for unlink in (False, True):
+        if unlink:
+            flat.zero_grad(set_to_none=True)
+        opts = [torch.optim.SGD(ref.parameters(), lr=0.1, momentum=momentum, weight_decay=weight_decay),
+                FlatSGD(flat, lr=0.1, momentum=momentum, weight_decay=weight_decay)]
+        for m, o in zip((ref, flat), opts):
+            train_epochs(m, x, y, 1, 4, o, torch.nn.functional.cross_entropy, torch.Generator().manual_seed(2))
+        np.testing.assert_allclose(to_vector(flat), to_vector(ref), rtol=1e-5, atol=1e-6)
 
 
 def test_flat_model_loads_and_reads_one_vector():
