@@ -1,7 +1,8 @@
 """The trial (:func:`run_trial`): one trial is one experiment, run inside the trial's placement group: in the
 trial's own process when the group is one bundle, else on a driver and client actors pinned to its bundles
-(:mod:`rayfl.sweep.placement`). Each round is a ``tune.report``; the last one is held back until the experiment (and its MLflow child run) has
-finished, since under ASHA nothing after the final report is sure to run.
+(:mod:`rayfl.sweep.placement`). Each round is a ``tune.report``; the last one is held back until the
+experiment (and its MLflow child run) has finished, since under ASHA nothing after the final report is sure
+to run.
 """
 
 from __future__ import annotations
