@@ -39,12 +39,13 @@ class _Rounds(Callback):
 
 
 def run_in_process(prepared, tracking: dict | None, checkpoint_dir: str | None = None,
-                   on_round: Callable[[dict], None] | None = None) -> dict:
+                   on_round: Callable[[dict], None] | None = None, device: str = "cpu") -> dict:
     """The experiment in this process, as :func:`rayfl.actors.launch.launch` runs it on Ray: the same
-    outcome dict, ``on_round`` sees the same round events, ``tracking`` names the MLflow run (None: none)."""
+    outcome dict, ``on_round`` sees the same round events, ``tracking`` names the MLflow run (None: none),
+    ``device`` is where the clients train ("cuda" in a Ray worker given a GPU)."""
     from rayfl.runtime import LocalRuntime
     from rayfl.tracking import MlflowTracker
 
     tracker = MlflowTracker(**tracking) if tracking is not None else None
     callbacks = ([tracker] if tracker else []) + ([_Rounds(on_round)] if on_round else [])
-    return execute(Loop(prepared, LocalRuntime(prepared), callbacks, checkpoint_dir), tracker)
+    return execute(Loop(prepared, LocalRuntime(prepared, device=device), callbacks, checkpoint_dir), tracker)

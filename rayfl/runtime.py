@@ -76,9 +76,9 @@ def _frozen(obj: Any) -> Any:
 class LocalRuntime:
     """Every client in this process; same semantics as the Ray runtime, for tests and debugging."""
 
-    def __init__(self, prepared, n_hosts: int | None = None):
+    def __init__(self, prepared, n_hosts: int | None = None, device: str = "cpu"):
         """``n_hosts``: how many hosts to spread the clients over (default: the config's placement, one
-        host for ``auto``)."""
+        host for ``auto``); ``device``: where the clients' data and models live."""
         from rayfl.host import ClientHost
 
         cfg, fed = prepared.cfg, prepared.federation
@@ -86,7 +86,7 @@ class LocalRuntime:
         self.host_of = {c: h for h, block in enumerate(blocks) for c in block}
         self.hosts = [ClientHost(cfg, prepared.algorithm, prepared.model_spec, prepared.info.task,
                                  prepared.dataset.x, prepared.dataset.y, {c: fed.clients[c] for c in block},
-                                 prepared.initial, share=_frozen, holdout=fed.holdout)
+                                 prepared.initial, device=device, share=_frozen, holdout=fed.holdout)
                       for block in blocks]
 
     def call(self, step, messages, reduce=None):

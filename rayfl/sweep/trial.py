@@ -78,9 +78,13 @@ def run_trial(config: dict, ctx: dict) -> None:
     t0 = time.time()
     checkpoint_dir = os.path.join(ctx["sweep_dir"], "trials", trial_id)
     if len(bundles) == 1:  # the trial's share holds one client actor: its clients live in this process
+        import ray
+        import torch
+
         from rayfl.inprocess import run_in_process
 
-        out = run_in_process(prepared, tracking, checkpoint_dir, on_round)
+        device = "cuda" if ray.get_gpu_ids() and torch.cuda.is_available() else "cpu"  # as a client actor does
+        out = run_in_process(prepared, tracking, checkpoint_dir, on_round, device=device)
     else:
         out = _launch_in_group(prepared, tracking, checkpoint_dir, on_round, pg)
     final = state["held"] or {k: v for k, v in numeric(out["final"]).items()}
