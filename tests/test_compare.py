@@ -64,6 +64,19 @@ def test_every_algorithm_of_a_seed_gets_the_same_federation():
                    for a, b in zip(feds[("local", 0)].clients, feds[("local", 1)].clients))
 
 
+def test_federico_paper_numbers_follow_the_groups_run():
+    """Table 1 of FedeRiCo has a column per number of distributions: the table shows the one that was run."""
+    from rayfl.comparison.presets import PRESETS
+
+    p = PRESETS["federico-label-groups"]
+    flat = lambda **kw: build_configs(None, [0], "federico-label-groups", **kw)[0].to_flat()  # noqa: E731
+    assert p.paper_for(flat())["federico"] == {"test_acc_mean": 69.76}  # the preset's 3 groups
+    assert p.paper_for(flat(groups=2))["local"] == {"test_acc_mean": 40.09}
+    assert p.paper_for(flat(groups=4))["fedavg"] == {"test_acc_mean": 13.93}
+    assert p.paper_for(flat(groups=5)) == {}  # no such column in the paper: no numbers beside ours
+    assert PRESETS["persfl-ds1"].paper_for({}) is PRESETS["persfl-ds1"].paper
+
+
 def test_presets_and_user_errors():
     cfgs = build_configs(None, [0], "persfl-ds1", data_root="/work/shared/datasets/mnist-t10k", rounds=3)
     assert [c.algo for c in cfgs] == ["fedavg", "persfl"] and cfgs[0].rounds == 3  # flags override the preset

@@ -21,6 +21,17 @@ class Preset:
     params: dict = field(default_factory=dict)  # algo -> its knobs
     paper: dict = field(default_factory=dict)  # algo -> {column: value in %}
     paper_source: str = ""
+    # (config key, value) -> another ``paper`` dict, where the paper reports the setting at that value too
+    # (FedeRiCo's Table 1 at 2, 3 and 4 groups); a value the paper has no column for shows no paper numbers
+    paper_by: tuple = ()
+
+    def paper_for(self, config: dict) -> dict:
+        """The paper's numbers for the setting actually run (the preset's config with the user's flags)."""
+        if not self.paper_by:
+            return self.paper
+        key = self.paper_by[0]
+        value = config.get(key, self.config.get(key))
+        return dict(self.paper_by[1]).get(value, {})
 
 
 MNIST = {"dataset": "mnist", "model": "mlp-784-100"}
@@ -55,7 +66,13 @@ PRESETS = {p.name: p for p in [
            {},
            {"local": {"test_acc_mean": 55.27}, "fedavg": {"test_acc_mean": 11.73},
             "federico": {"test_acc_mean": 69.76}},
-           "Bertrand et al., Table 1, CIFAR-10 with 3 distributions"),
+           "Bertrand et al., Table 1, CIFAR-10 with 2, 3 or 4 distributions (the column of --groups)",
+           ("groups", ((2, {"local": {"test_acc_mean": 40.09}, "fedavg": {"test_acc_mean": 11.44},
+                            "federico": {"test_acc_mean": 56.61}}),
+                       (3, {"local": {"test_acc_mean": 55.27}, "fedavg": {"test_acc_mean": 11.73},
+                            "federico": {"test_acc_mean": 69.76}}),
+                       (4, {"local": {"test_acc_mean": 69.03}, "fedavg": {"test_acc_mean": 13.93},
+                            "federico": {"test_acc_mean": 78.22}})))),
     Preset("federico-sine",
            "FedeRiCo Fig. 1: linear models on successive intervals of a noisy sine curve (qualitative in the "
            "paper: collaborator weights concentrate on neighbouring intervals). Lower loss is better.",

@@ -208,7 +208,7 @@ def compare(algos: Sequence[str] | None = None, seeds: Sequence[int] = (0, 1, 2)
         order.insert(order.index("fedfomo") + 1, NO_FINAL_UPDATE)
     table = summarize_runs(runs, order)
     if preset:
-        table = with_paper(table, PRESETS[preset].paper)
+        table = with_paper(table, PRESETS[preset].paper_for(base.to_flat()))
     text = markdown(table)
     _log_parent(client, parent, runs, table, text, preset)
     return CompareResult(table, runs, parent, text, uri, preset)
