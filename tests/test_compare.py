@@ -75,6 +75,9 @@ def test_federico_paper_numbers_follow_the_groups_run():
     assert p.paper_for(flat(groups=4))["fedavg"] == {"test_acc_mean": 13.93}
     assert p.paper_for(flat(groups=5)) == {}  # no such column in the paper: no numbers beside ours
     assert PRESETS["persfl-ds1"].paper_for({}) is PRESETS["persfl-ds1"].paper
+    path = build_configs(None, [0], "fedfomo-pathological")  # FedFomo's Table 1: 15 clients, 2 classes each
+    assert [c.algo for c in path] == ["local", "fedavg", "fedfomo"] and path[2].params == {"M": 5}
+    assert (path[0].partition, path[0].classes_per_client, path[0].clients) == ("pathological", 2, 15)
 
 
 def test_presets_and_user_errors():

@@ -228,3 +228,49 @@ def test_cousage_band_on_ordered_intervals():
     assert m["cousage_neighbour_mean"] == pytest.approx((0.25 + 0.5) / 2)  # pairs (0,1), (1,2), both ways
     assert m["cousage_far_mean"] == pytest.approx(0.0) and C[0, 2] == 0.0
     assert m["w_self_mean"] == pytest.approx((0.5 + 0.5 + 1.0) / 3)
+
+
+def test_initial_losses_use_the_whole_train_split_and_loss_sum_scales_by_n():
+    """L̂ at t = 0 is every model's mean loss on the FULL train split, not one minibatch (here n = 4 > batch
+    2); with ``loss_sum`` (Eq. 3 literally) every loss, at t = 0 and in the E-step, is n_i x the mean."""
+    t = lambda v: torch.tensor(v, dtype=torch.float32).view(-1, 1)  # noqa: E731
+    x, y = [0.0, 1.0, 2.0, 3.0], [1.0, 0.0, 0.0, 5.0]
+    empty = (torch.zeros(0, 1), torch.zeros(0, 1))
+    make = lambda: nn.Sequential(nn.Flatten(), nn.Linear(1, 1))  # noqa: E731
+    phi = {0: np.array([1.0, 0.0], np.float32), 1: np.array([0.0, 2.0], np.float32)}  # h(x) = x and h(x) = 2
+    # by hand: squared residuals of h = x are (1, 1, 4, 4) -> MSE 2.5; of h = 2: (1, 4, 4, 9) -> 4.5 (no
+    # 2-point batch of the latter has mean 4.5, so a minibatch in place of the full split shows)
+    full = np.array([2.5, 4.5])
+    for loss_sum, scale in ((False, 1.0), (True, 4.0)):
+        for batch in (2, 100):  # 2: init must still use all 4 points; 100: the E-step batch is the full split
+            c = Client(0, {"train": (t(x), t(y)), "val": empty, "test": empty}, make, None,
+                       TrainSettings("regression", 1, 0.1, batch, "sgd"), seed=0)
+            logic = FedericoClient(Params(M=1, epsilon=0.0, beta=1.0, loss_sum=loss_sum))
+            logic.init_client(c)
+            c.load(phi[0])
+            out = logic.step_init(c, {"K": 2, "n_mean": 2.0}, {"peers": {1: phi[1]}})
+            assert c.state["scale"] == 2.0  # n_i / n̄ = 4 / 2 (Eq. 8's sum over n_i points, divided by n̄)
+            assert c.state["L"] == pytest.approx(scale * full)
+            assert out["w"] == pytest.approx(posterior(scale * full))
+            if batch == 2:  # the E-step takes one minibatch of 2 of the 4 points: peer loss in {2.5, 4, 5, 6.5}
+                logic.step_estep(c, {}, {"peers": {1: phi[1]}})
+                assert min(abs(c.state["L"][1] / scale - v) for v in (2.5, 4.0, 5.0, 6.5)) < 1e-5
+            if batch == 100:  # E-step with β = 1: L̂ is the new batch losses, x n_i under loss_sum
+                c.state["L"] = np.zeros(2)
+                up = logic.step_estep(c, {}, {"peers": {1: phi[1]}})
+                assert c.state["L"] == pytest.approx(scale * full)
+                assert up["w"] == pytest.approx(posterior(scale * full))
+
+
+def test_evaluation_sends_the_collaborators_above_the_weight_floor_never_the_client_itself():
+    from rayfl.algorithms.base import RunInfo
+    from rayfl.algorithms.federico import PRED_MIN_WEIGHT, FedericoServer
+
+    info = RunInfo(n_clients=3, rounds=1, participation=1.0, seed=0, n_train=[5] * 3)
+    srv = FedericoServer(Params(M=1), info, put=lambda v: v, get=list, rng=np.random.default_rng(0),
+                         initial=np.zeros(2, np.float32))
+    srv.models = {0: "m0", 1: "m1", 2: "m2"}
+    srv.W = np.array([[0.6, 0.4, 0.0], [PRED_MIN_WEIGHT / 2, 0.5, 0.5], [0.2, 0.3, 0.5]])
+    msgs = srv.eval_messages(None, 0, [0, 1, 2])
+    assert {i: m["models"]["peers"] for i, m in msgs.items()} == {0: {1: "m1"}, 1: {2: "m2"},
+                                                                   2: {0: "m0", 1: "m1"}}

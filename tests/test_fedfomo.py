@@ -243,3 +243,32 @@ def test_paper_defaults():
     p = FedFomoParams()
     assert (p.M, p.epsilon, p.epsilon_decay, p.distance, p.lr_decay, p.final_update) == (5, 0.3, 0.05, "l2", 0.99,
                                                                                        True)
+
+
+def test_one_slot_or_one_other_client_still_downloads_and_a_validation_split_is_required():
+    from types import SimpleNamespace
+
+    from rayfl.algorithms.fedfomo import select_models
+
+    p = np.array([1.0, 0.2, 0.9, 0.1])
+    rng = np.random.default_rng(0)
+    assert select_models(p, 0, [0, 1, 2, 3], 1, 0.0, rng) == [2]  # M = 2: one slot, the top other of p_0
+    assert select_models(p, 0, [0, 3], 4, 0.0, rng) == [3]  # one other upload available: that one
+    assert select_models(p, 0, [0, 1, 2, 3], 0, 0.0, rng) == []  # M = 1: own model only
+    assert select_models(p, 0, [0], 3, 0.0, rng) == []  # nobody else has uploaded yet
+    FedFomoParams().check_config(SimpleNamespace(val_frac=0.1))
+    with pytest.raises(ValueError, match="val_frac=0.0"):
+        FedFomoParams().check_config(SimpleNamespace(val_frac=0.0))
+
+
+def test_kept_base_fraction_is_over_the_round_participants():
+    srv = make_server(M=2, epsilon=0.0)
+    srv.uploads = {c: np.full(3, c, np.float32) for c in range(4)}
+
+    def call(step, messages):  # client 0 found no better model (kept its base), clients 1 and 2 did
+        return {c: {"w": {}, "w_star": {}, "kept_base": c == 0, "weights": np.zeros(3, np.float32),
+                    "train_loss": 1.0, "n": 10} for c in messages}
+
+    metrics = srv.run_round(Stage("train", 3), 0, [0, 1, 2], call)
+    assert metrics["kept_base_frac"] == pytest.approx(1 / 3)
+    assert metrics["downloads_mean"] == 1.0  # M - 1 downloads each

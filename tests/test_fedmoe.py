@@ -161,6 +161,7 @@ def test_three_stages_end_to_end_with_global_test_set():
     # the stage-2 record is the fine-tuned model the mixture record repeats
     for c, rec in keep.records["specialist"].items():
         assert rec["test_acc"] == pytest.approx(final[c]["finetuned_test_acc"])
+        assert not any(k.startswith(("fedavg_val", "finetuned_val")) for k in rec)  # test and global only
     assert len(loop.server.opt_in) == 2
     assert "test_acc_worst" in loop.final
     # Table 1's columns are summary metrics of the final round (rounds.csv, MLflow, the closing table)
@@ -240,3 +241,70 @@ def test_mixture_loss_knob_picks_the_mixture_form():
     assert FedMoEClient(FedMoEParams(mixture_loss="code")).mixture(client, vec, vec).log_space
     one = nll(client.model, x[:1], y[:1], F.cross_entropy)  # a one-sample split has a loss, not NaN
     assert one == pytest.approx(F.cross_entropy(client.model(x[:1]), y[:1]).item())
+
+
+def test_nll_is_the_sample_mean_over_chunks_and_nan_when_empty():
+    from rayfl.algorithms.fedmoe import nll
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(7, 4, generator=g)
+    y = (x[:, 1] > 0).long()
+    model = nn.Sequential(nn.Linear(4, 2))
+    W, b = model[0].weight.detach().numpy().astype(np.float64), model[0].bias.detach().numpy().astype(np.float64)
+    logits = x.numpy().astype(np.float64) @ W.T + b  # cross-entropy by hand, in numpy
+    logp = logits - np.log(np.exp(logits).sum(1, keepdims=True))
+    expected = float(-logp[np.arange(7), y.numpy()].mean())
+    for batch in (1, 3, 7, 1024):  # chunks of 3: 3 + 3 + 1 samples, each weighted by its size
+        assert nll(model, x, y, F.cross_entropy, batch=batch) == pytest.approx(expected, rel=1e-5)
+    assert math.isnan(nll(model, x[:0], y[:0], F.cross_entropy))
+
+
+def test_without_validation_the_last_epoch_is_kept_and_one_sample_is_a_validation_split():
+    client = tiny_client()
+    xv, yv = client.splits["val"]
+    client.splits["val"] = (xv[:0], yv[:0])  # no validation data: train every epoch, keep the last
+    model = client.new_model(client.vector())
+    start = client.vector(model)
+    info = fit_early_stopping(client, model, list(model.parameters()), F.cross_entropy, 4, 1, 0.5)
+    assert (info["best_epoch"], info["epochs"]) == (4, 4) and math.isnan(info["best_val_loss"])
+    assert not np.allclose(client.vector(model), start)
+    client.splits["val"] = (xv[:1], yv[:1])  # one sample: early stopping on it
+    model = client.new_model(client.vector())
+    info = fit_early_stopping(client, model, list(model.parameters()), F.cross_entropy, 4, 10, 0.5)
+    assert client.loss(model) == pytest.approx(info["best_val_loss"])
+
+
+def test_stage_2_and_3_learning_rate_and_fresh_gates():
+    from types import SimpleNamespace
+
+    from rayfl.algorithms.fedmoe import FedMoEClient
+
+    c = SimpleNamespace(settings=SimpleNamespace(lr=0.5))
+    assert FedMoEClient(FedMoEParams()).lr(c) == pytest.approx(0.1)  # 0: a fifth of the run's lr (paper 1:5)
+    assert FedMoEClient(FedMoEParams(ft_lr=0.03)).lr(c) == 0.03
+    client = tiny_client()
+    a, b = make_gate(client), make_gate(client)  # each drawn from the client's rng, which moves on
+    assert not torch.equal(a[0].weight, b[0].weight)
+    state = client.rng.bit_generator.state
+    loaded = make_gate(client, client.vector(a))  # loading a gate draws nothing
+    assert client.rng.bit_generator.state == state
+    np.testing.assert_array_equal(client.vector(loaded), client.vector(a))
+
+
+def test_selection_every_third_round_and_no_stage_sampled_by_the_loop():
+    info = RunInfo(n_clients=4, rounds=7, participation=0.5, seed=0, n_train=[5] * 4)
+    server = FedMoEServer(FedMoEParams(select_every=3), info, lambda v: v, list, np.random.default_rng(0),
+                          np.zeros(3, np.float32))
+    assert [s.sample for s in server.stages()] == [False, False, False]  # stage 1 samples opted-in clients
+    validated = []
+
+    def call(step, msgs, reduce=None):
+        if step == "validate":
+            validated.append(rnd)
+            return {c: {"val_loss": 1.0} for c in msgs}
+        return reduce_uploads(reduce, {c: {"weights": np.zeros(3, np.float32), "n": 5, "train_loss": 0.0}
+                                       for c in msgs})
+
+    for rnd in range(7):
+        server.run_round(server.stages()[0], rnd, list(range(4)), call)
+    assert validated == [2, 5, 6]  # rounds 3 and 6 (counted from 1), and the last

@@ -168,6 +168,8 @@ def test_whole_run_tables_and_one_point_equals_that_point_of_the_grid():
     """(Sharing stage 1 across runs is the platform's: tests/test_stage_cache.py.)"""
     plain = run()
     assert [h["stage"] for h in plain.history] == ["fedavg"] * 3 + ["distill"]
+    # FedAvg rounds train and average; only the distillation round picks (λ, T)
+    assert all("lam_mean" not in h for h in plain.history[:3]) and "lam_mean" in plain.history[3]
     table = plain.server.artifacts()["persfl_clients"]
     assert list(table.columns[:5]) == ["client", "teacher_round", "teacher_val_loss", "lam", "T"]
     assert table.teacher_round.between(0, 3).all()
@@ -216,3 +218,21 @@ def test_teacher_logits_cover_clients_larger_than_one_chunk():
     c.state.update(teacher=teacher, teacher_round=1, teacher_loss=0.5)
     up = logic.step_distill(c, {"seed": 0}, {})
     assert up["lam"] == 1.0 and up["n"] == 1050
+
+
+def test_default_grid_passes_the_check_and_zero_distill_epochs_means_the_runs_local_epochs(monkeypatch):
+    from rayfl.algorithms import persfl
+
+    PersFLParams().check(4)  # λ = 1 (pure imitation) is in the default grid and allowed
+    PersFLParams(lam=1.0, lam_grid=()).check(4)
+    seen = []
+
+    def fake_distill(student, x, y, teacher_logits, lam, T, variant, epochs, *rest):
+        seen.append(epochs)
+        return 0.0
+
+    monkeypatch.setattr(persfl, "distill", fake_distill)
+    one = dict(lam=0.5, T=1.0, lam_grid=(), T_grid=())
+    run_distill(PersFLParams(**one))  # tiny_client trains 2 local epochs
+    run_distill(PersFLParams(**one, distill_epochs=3))
+    assert seen == [2, 3]

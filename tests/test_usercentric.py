@@ -60,6 +60,8 @@ def test_aggregate_is_eq5_on_parameters():
     w = np.array([[0.75, 0.25], [0.5, 0.5]])
     out = aggregate(w, [np.array([1.0, 0.0], np.float32), np.array([0.0, 1.0], np.float32)])
     np.testing.assert_allclose(out, w)
+    one = aggregate(np.array([[1.0], [1.0]]), [np.array([3.0, 4.0], np.float32)])  # a single upload
+    np.testing.assert_allclose(one, [[3.0, 4.0], [3.0, 4.0]])
 
 
 def test_streams_full_personalization_and_kmeans_centroids():
@@ -166,9 +168,33 @@ def test_server_round_aggregates_with_the_rows_of_w():
     for i in range(3):
         expected = sum(w[i, j] * np.array(thetas[j]) for j in range(3))
         np.testing.assert_allclose(srv.stream_refs[srv.labels[i]], expected, rtol=1e-6)
+    assert "stream_weights" not in srv.artifacts()  # k = m: the streams' weights are W itself
+    srv.labels, srv.centroids = assign_streams(w, 2, seed=0)
+    assert srv.artifacts()["stream_weights"].shape == (2, 3)
 
 
 def test_defaults():
     """k = m streams (full personalization) and n_k = the run's batch size unless set."""
     p = UserCentricParams()
     assert (p.streams, p.sigma_batch) == (0, 0)
+
+
+def test_sigma_batch_defaults_to_the_runs_batch_size(monkeypatch):
+    """Eq. 7's n_k: ``sigma_batch`` when set, else the run's batch size (0 is the default)."""
+    from types import SimpleNamespace
+
+    from rayfl.algorithms import usercentric
+    from rayfl.algorithms.usercentric import UserCentricClient
+
+    seen = []
+
+    def fake_stats(model, x, y, loss_fn, batch):
+        seen.append(batch)
+        return np.zeros(2), 0.0
+
+    monkeypatch.setattr(usercentric, "gradient_stats", fake_stats)
+    client = SimpleNamespace(new_model=lambda vec: None, splits={"train": (None, None)}, share=lambda g: g,
+                             n=lambda: 5, settings=SimpleNamespace(batch_size=32, task="classification"))
+    for sigma_batch in (0, 8):
+        UserCentricClient(UserCentricParams(sigma_batch=sigma_batch)).step_stats(client, {}, {"theta": None})
+    assert seen == [32, 8]
