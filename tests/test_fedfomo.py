@@ -272,3 +272,12 @@ def test_kept_base_fraction_is_over_the_round_participants():
     metrics = srv.run_round(Stage("train", 3), 0, [0, 1, 2], call)
     assert metrics["kept_base_frac"] == pytest.approx(1 / 3)
     assert metrics["downloads_mean"] == 1.0  # M - 1 downloads each
+
+
+def test_lr_decay_zero_is_refused_and_every_client_takes_the_final_update():
+    with pytest.raises(ValueError, match="lr_decay=0.0"):
+        FedFomoParams(lr_decay=0.0).check(5)  # lr x 0^r: no training after the first round
+    srv = make_server(k=4)  # participation 1 here, but the last update is for every client whatever it is
+    train, update = srv.stages()
+    assert (train.name, train.sample, update.name, update.rounds, update.sample) == ("train", True, "update", 1,
+                                                                                      False)

@@ -308,3 +308,21 @@ def test_selection_every_third_round_and_no_stage_sampled_by_the_loop():
     for rnd in range(7):
         server.run_round(server.stages()[0], rnd, list(range(4)), call)
     assert validated == [2, 5, 6]  # rounds 3 and 6 (counted from 1), and the last
+
+
+def test_stage_metrics_average_the_clients_and_skip_nan_and_the_opt_in_table():
+    from rayfl.algorithms.base import Stage
+
+    info = RunInfo(n_clients=4, rounds=1, participation=1.0, seed=0, n_train=[5] * 4)
+    server = FedMoEServer(FedMoEParams(opt_out=0.5), info, lambda v: v, list, np.random.default_rng(0),
+                          np.zeros(3, np.float32))
+
+    def call(step, msgs):
+        return {0: {"best_epoch": 2, "epochs": 5, "best_val_loss": 0.5},
+                1: {"best_epoch": 4, "epochs": 7, "best_val_loss": float("nan")},
+                2: {"best_epoch": 3, "epochs": 6, "best_val_loss": 0.25}}
+
+    m = server.run_round(Stage("specialist", 1, sample=False), 0, [0, 1, 2], call)
+    assert m == {"specialist_best_epoch": 3.0, "specialist_epochs": 6.0, "specialist_best_val_loss": 0.375}
+    table = server.artifacts()["opt_in"]
+    assert table.opt_in.tolist() == [c in server.opt_in for c in range(4)] and table.opt_in.sum() == 2

@@ -236,3 +236,43 @@ def test_default_grid_passes_the_check_and_zero_distill_epochs_means_the_runs_lo
     run_distill(PersFLParams(**one))  # tiny_client trains 2 local epochs
     run_distill(PersFLParams(**one, distill_epochs=3))
     assert seen == [2, 3]
+
+
+def test_distill_returns_the_last_epochs_mean_loss_over_every_sample():
+    """One epoch, one batch of all 6 samples, λ = 0 (plain cross-entropy): the returned loss is the mean
+    cross-entropy of the start model over all 6 samples, computed here in numpy."""
+    from rayfl.algorithms.persfl import distill
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 3, generator=g)  # 6 samples, 3 features: n is the sample count
+    y = torch.tensor([0, 1, 1, 0, 1, 0])
+    student = torch.nn.Linear(3, 2)
+    W, b = student.weight.detach().double().numpy(), student.bias.detach().double().numpy()
+    logits = x.double().numpy() @ W.T + b
+    logp = logits - np.log(np.exp(logits).sum(1, keepdims=True))
+    expected = float(-logp[np.arange(6), y.numpy()].mean())
+    opt = torch.optim.SGD(student.parameters(), lr=0.1)
+    loss = distill(student, x, y, torch.zeros(6, 2), 0.0, 1.0, "sgd", 1, 6, opt, torch.Generator().manual_seed(0))
+    assert loss == pytest.approx(expected, rel=1e-5)
+
+
+def test_fedavg_round_averages_the_participants_and_sends_everyone_the_global_model():
+    """Every client checks the global model as a teacher candidate; only the sampled ones train."""
+    from rayfl.algorithms.base import RunInfo
+    from rayfl.algorithms.persfl import PersFLServer
+    from rayfl.reduce import reduce_uploads
+
+    info = RunInfo(n_clients=3, rounds=2, participation=0.67, seed=0, n_train=[10, 10, 10])
+    srv = PersFLServer(PersFLParams(), info, put=lambda v: v, get=list, rng=np.random.default_rng(0),
+                       initial=np.zeros(2, np.float32))
+    sent = {}
+
+    def call(step, msgs, reduce=None):
+        sent.update(msgs)
+        return reduce_uploads(reduce, {c: ({"weights": np.full(2, c, np.float32), "n": 10, "train_loss": c + 1.0}
+                                           if m["train"] else {}) for c, m in msgs.items()})
+
+    m = srv.fedavg_round(0, [0, 1], call)
+    assert {c: msg["train"] for c, msg in sent.items()} == {0: True, 1: True, 2: False}
+    assert m["train_loss"] == pytest.approx(1.5)  # (1 + 2) / 2 over the two that trained
+    np.testing.assert_allclose(srv.global_ref, [0.5, 0.5])
