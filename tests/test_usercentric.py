@@ -169,6 +169,7 @@ def test_server_round_aggregates_with_the_rows_of_w():
         expected = sum(w[i, j] * np.array(thetas[j]) for j in range(3))
         np.testing.assert_allclose(srv.stream_refs[srv.labels[i]], expected, rtol=1e-6)
     assert "stream_weights" not in srv.artifacts()  # k = m: the streams' weights are W itself
+    assert [st.sample for st in srv.stages()] == [False]  # all m users every round (spec 003 §3.5)
     srv.labels, srv.centroids = assign_streams(w, 2, seed=0)
     assert srv.artifacts()["stream_weights"].shape == (2, 3)
 
