@@ -78,6 +78,10 @@ def test_federico_paper_numbers_follow_the_groups_run():
     path = build_configs(None, [0], "fedfomo-pathological")  # FedFomo's Table 1: 15 clients, 2 classes each
     assert [c.algo for c in path] == ["local", "fedavg", "fedfomo"] and path[2].params == {"M": 5}
     assert (path[0].partition, path[0].classes_per_client, path[0].clients) == ("pathological", 2, 15)
+    s1, s3 = (build_configs(["usercentric"], [0], name)[0] for name in ("usercentric-label-shift",
+                                                                       "usercentric-concept"))
+    assert (s1.partition, s1.alpha, s1.params) == ("dirichlet", 0.4, {"streams": 0})
+    assert (s3.partition, s3.groups, s3.params) == ("permutation", 4, {"streams": 4})
 
 
 def test_presets_and_user_errors():
