@@ -64,3 +64,14 @@ def test_finetune_params_and_stage():
         c = Fake()
         FineTuneClient(FineTuneParams(ft_epochs=3, ft_lr=ft_lr)).step_finetune(c, {}, {"global": "g"})
         assert c.loaded == "g" and c.fit_args == (3, lr)
+
+
+def test_finetune_evaluates_the_global_model_then_each_clients_own():
+    from rayfl.algorithms.baselines import FineTuneParams, FineTuneServer
+
+    info = RunInfo(n_clients=2, rounds=1, participation=1.0, seed=0, n_train=[1, 1])
+    srv = FineTuneServer(FineTuneParams(), info, put=lambda v: v, get=list, rng=np.random.default_rng(0),
+                         initial=np.zeros(2, np.float32))
+    fedavg, finetune = srv.stages()
+    assert srv.eval_messages(fedavg, 0, [0, 1]) == {c: {"models": {"global": srv.global_ref}} for c in (0, 1)}
+    assert srv.eval_messages(finetune, 1, [0, 1]) == {0: {}, 1: {}}  # the fine-tuned personal models
