@@ -326,3 +326,17 @@ def test_stage_metrics_average_the_clients_and_skip_nan_and_the_opt_in_table():
     assert m == {"specialist_best_epoch": 3.0, "specialist_epochs": 6.0, "specialist_best_val_loss": 0.375}
     table = server.artifacts()["opt_in"]
     assert table.opt_in.tolist() == [c in server.opt_in for c in range(4)] and table.opt_in.sum() == 2
+
+
+def test_early_stopping_counts_patience_from_the_last_strict_improvement(monkeypatch):
+    """Validation losses scripted per check: epoch 1 improves, epoch 2 ties (not an improvement), then
+    3 and 4 are worse: with patience 3 training stops after epoch 4 and keeps epoch 1."""
+    from rayfl.algorithms import fedmoe
+
+    losses = iter([1.0, 0.9, 0.9, 0.95, 0.95, 0.5, 0.5, 0.5])
+    monkeypatch.setattr(fedmoe, "nll", lambda *a, **k: next(losses))
+    monkeypatch.setattr(fedmoe.training, "train_epochs", lambda *a, **k: None)
+    client = tiny_client()
+    model = client.new_model(client.vector())
+    info = fit_early_stopping(client, model, list(model.parameters()), F.cross_entropy, 8, 3, 0.5)
+    assert (info["best_epoch"], info["epochs"], info["best_val_loss"]) == (1, 4, 0.9)

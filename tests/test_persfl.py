@@ -276,3 +276,15 @@ def test_fedavg_round_averages_the_participants_and_sends_everyone_the_global_mo
     assert {c: msg["train"] for c, msg in sent.items()} == {0: True, 1: True, 2: False}
     assert m["train_loss"] == pytest.approx(1.5)  # (1 + 2) / 2 over the two that trained
     np.testing.assert_allclose(srv.global_ref, [0.5, 0.5])
+
+
+def test_evaluation_uses_the_global_model_then_each_clients_distilled_one():
+    from rayfl.algorithms.base import RunInfo
+    from rayfl.algorithms.persfl import PersFLServer
+
+    info = RunInfo(n_clients=2, rounds=1, participation=1.0, seed=0, n_train=[1, 1])
+    srv = PersFLServer(PersFLParams(), info, put=lambda v: v, get=list, rng=np.random.default_rng(0),
+                       initial=np.zeros(2, np.float32))
+    fedavg, distill_stage = srv.stages()
+    assert srv.eval_messages(fedavg, 0, [0, 1]) == {c: {"models": {"global": srv.global_ref}} for c in (0, 1)}
+    assert srv.eval_messages(distill_stage, 1, [0, 1]) == {0: {}, 1: {}}

@@ -140,6 +140,7 @@ def test_kmeans_with_true_k_recovers_groups(partition, groups):
     assert len(set(labels)) == groups
     assert loop.setup_metrics["streams_ari_groups"] == 1.0
     assert loop.setup_metrics["silhouette_best_k"] == groups
+    assert loop.setup_metrics["streams"] == groups  # k streams, not one per user
     assert sorted(loop.server.silhouette) == list(range(2, 8))  # k = 2 .. m - 1 with m = 8 users
     w = loop.server.w
     same = truth[:, None] == truth[None, :]
@@ -199,3 +200,10 @@ def test_sigma_batch_defaults_to_the_runs_batch_size(monkeypatch):
     for sigma_batch in (0, 8):
         UserCentricClient(UserCentricParams(sigma_batch=sigma_batch)).step_stats(client, {}, {"theta": None})
     assert seen == [32, 8]
+
+
+def test_silhouette_scores_cover_k_2_to_10_at_most():
+    from rayfl.algorithms.usercentric import silhouette_scores
+
+    w = np.random.default_rng(0).dirichlet(np.ones(14), size=14)  # 14 distinct users
+    assert sorted(silhouette_scores(w, seed=0)) == list(range(2, 11))  # min(m - 1, 10) = 10
