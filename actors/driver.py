@@ -80,7 +80,6 @@ class DriverActor:
         from rayfl.loop import Loop
         from rayfl.tracking import MlflowTracker
 
-        # the MLflow run opens while the client actors finish starting
         tracker = self.tracker = (MlflowTracker(**self.tracking, run_id=self.resume.get("run_id"))
                                   if self.tracking is not None else None)  # None: benchmarks
         wait_for_actors(self.runtime.actors, self.queue.push)

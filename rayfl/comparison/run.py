@@ -86,26 +86,6 @@ def final_rows(algo: str, seed: int, out: dict) -> list[dict]:
     return rows
 
 
-def _run_local(prepared, tracking: dict, on_round) -> dict:
-    from rayfl.loop import Callback, Loop
-    from rayfl.runtime import LocalRuntime
-    from rayfl.tracking import MlflowTracker
-
-    class Show(Callback):
-        def on_round(self, loop, record):
-            on_round({"step": record.step, "stage": record.stage, "metrics": record.metrics,
-                      "total": len(loop.schedule())})
-
-    tracker = MlflowTracker(**tracking)
-    loop = Loop(prepared, LocalRuntime(prepared), [tracker] + ([Show()] if on_round else []))
-    try:
-        loop.run()
-    except BaseException:
-        tracker.fail()
-        raise
-    return {"final": loop.final, "history": loop.history, "run_id": tracker.run_id}
-
-
 def _ray_share(cfg, concurrent: int) -> tuple:
     """(client-actor resources, number of client actors) for one of ``concurrent`` experiments sharing the
     cluster evenly: the engine's own placement, planned on that share."""
@@ -168,7 +148,9 @@ def compare(algos: Sequence[str] | None = None, seeds: Sequence[int] = (0, 1, 2)
                     "parent_run_id": parent, "extra_params": {"compare": name}}
         show = (lambda rec: on_round(label, rec)) if on_round else None
         if runtime == "local":
-            out = _run_local(p, tracking, show)
+            from rayfl.inprocess import run_in_process
+
+            out = run_in_process(p, tracking, on_round=show)
         else:
             from rayfl.actors.launch import launch
 
