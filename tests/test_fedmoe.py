@@ -209,10 +209,15 @@ def test_opt_out_draws_distinct_clients():
     assert len(server.opt_in) == 10 and server.per_round == 10
 
 
-def test_selection_runs_every_select_every_rounds_and_on_the_last():
-    info = RunInfo(n_clients=4, rounds=5, participation=1.0, seed=0, n_train=[5] * 4)
-    server = FedMoEServer(FedMoEParams(select_every=2), info, lambda v: v, list, np.random.default_rng(0),
-                          np.zeros(3, np.float32))
+@pytest.mark.parametrize("select_every,rounds,participation,expected", [
+    (2, 5, 1.0, [1, 3, 4]),
+    (3, 7, 0.5, [2, 5, 6]),  # rounds 3 and 6 (counted from 1), and the last
+])
+def test_selection_runs_every_select_every_rounds_and_on_the_last(select_every, rounds, participation, expected):
+    info = RunInfo(n_clients=4, rounds=rounds, participation=participation, seed=0, n_train=[5] * 4)
+    server = FedMoEServer(FedMoEParams(select_every=select_every), info, lambda v: v, list,
+                          np.random.default_rng(0), np.zeros(3, np.float32))
+    assert [s.sample for s in server.stages()] == [False, False, False]  # stage 1 samples opted-in clients
     validated = []
 
     def call(step, msgs, reduce=None):
@@ -222,9 +227,9 @@ def test_selection_runs_every_select_every_rounds_and_on_the_last():
         return reduce_uploads(reduce, {c: {"weights": np.zeros(3, np.float32), "n": 5, "train_loss": 0.0}
                                        for c in msgs})
 
-    for rnd in range(5):
+    for rnd in range(rounds):
         server.run_round(server.stages()[0], rnd, list(range(4)), call)
-    assert validated == [1, 3, 4]
+    assert validated == expected
 
 
 def test_mixture_loss_knob_picks_the_mixture_form():
@@ -291,23 +296,6 @@ def test_stage_2_and_3_learning_rate_and_fresh_gates():
     np.testing.assert_array_equal(client.vector(loaded), client.vector(a))
 
 
-def test_selection_every_third_round_and_no_stage_sampled_by_the_loop():
-    info = RunInfo(n_clients=4, rounds=7, participation=0.5, seed=0, n_train=[5] * 4)
-    server = FedMoEServer(FedMoEParams(select_every=3), info, lambda v: v, list, np.random.default_rng(0),
-                          np.zeros(3, np.float32))
-    assert [s.sample for s in server.stages()] == [False, False, False]  # stage 1 samples opted-in clients
-    validated = []
-
-    def call(step, msgs, reduce=None):
-        if step == "validate":
-            validated.append(rnd)
-            return {c: {"val_loss": 1.0} for c in msgs}
-        return reduce_uploads(reduce, {c: {"weights": np.zeros(3, np.float32), "n": 5, "train_loss": 0.0}
-                                       for c in msgs})
-
-    for rnd in range(7):
-        server.run_round(server.stages()[0], rnd, list(range(4)), call)
-    assert validated == [2, 5, 6]  # rounds 3 and 6 (counted from 1), and the last
 
 
 def test_stage_metrics_average_the_clients_and_skip_nan_and_the_opt_in_table():
