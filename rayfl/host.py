@@ -54,6 +54,8 @@ class ClientHost:
         settings = TrainSettings.from_config(cfg, task)
         self.bench = Bench(model_spec.build, initial, device)
         self.clients: dict[int, Client] = {}
+        self._encoded: dict[int, bytes] = {}  # each client's last state() blob
+        self._changed: set[int] = set()  # clients that ran a non-evaluation step since it was made
         for cid, cd in client_data.items():
             torch.manual_seed(cfg.seed)  # initial weights come from `initial`; this seeds anything else
             client = Client(cid, materialize(x, y, cd, device), None, None, settings, cfg.seed, device, share,
@@ -96,6 +98,8 @@ class ClientHost:
         if method is None:
             raise ValueError(f"{type(self.logic).__module__} has no client step {step!r}")
         resolved = self._resolve_models([msg.get("models", {}) for _, msg in items])
+        if step != "evaluate":  # evaluation leaves a client as it was (ClientLogic.step_evaluate)
+            self._changed.update(cid for cid, _ in items)
         uploads, partial = [], {}
         try:
             for (cid, msg), models in zip(items, resolved):
@@ -140,12 +144,15 @@ class ClientHost:
 
     def state(self) -> dict[int, bytes]:
         """Each client's weights, personal state, optimizer and RNGs as plain-data bytes (rayfl.snapshot): for
-        in-memory snapshots and checkpoints; loading them never runs code."""
-        return {cid: _dump({"model": c.weights(),
-                            "state": c.state,
-                            "optimizer": c.optimizer.state_dict() if c.optimizer else None,
-                            "gen": c.gen.get_state(), "rng": c.rng.bit_generator.state})
-                for cid, c in self.clients.items()}
+        in-memory snapshots and checkpoints; loading them never runs code. Only clients that ran a step other
+        than evaluation since the last call are encoded again (at 1,000 clients a round samples 100)."""
+        for cid in self._changed | (self.clients.keys() - self._encoded.keys()):
+            c = self.clients[cid]
+            self._encoded[cid] = _dump({"model": c.weights(), "state": c.state,
+                                        "optimizer": c.optimizer.state_dict() if c.optimizer else None,
+                                        "gen": c.gen.get_state(), "rng": c.rng.bit_generator.state})
+        self._changed = set()
+        return dict(self._encoded)
 
     def load_state(self, states: dict[int, bytes]) -> None:
         from rayfl.snapshot import loads
@@ -160,6 +167,7 @@ class ClientHost:
                 c.optimizer.load_state_dict(st["optimizer"])
             c.gen.set_state(st["gen"].cpu())
             c.rng.bit_generator.state = st["rng"]
+            self._encoded[cid] = blob  # this client is now exactly what the blob says
 
     def info(self) -> dict:
         """Where this host runs and what it was given: for the placement record."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import torch
 import pytest
 from mlflow.tracking import MlflowClient
 
@@ -143,3 +144,37 @@ def test_quick_rounds_share_store_calls_and_every_value_arrives(tmp_path, monkey
         time.sleep(0.05)
     assert [m.value for m in client.get_metric_history(t.run_id, "x")] == [1.0]
     t.writer.close()
+
+
+def test_snapshots_encode_again_only_the_clients_that_ran_a_step(monkeypatch):
+    """A host's state() re-encodes only clients that ran a non-evaluation step since the last call; the blobs
+    it returns are what encoding every client afresh gives."""
+    from rayfl import host as host_module
+
+    p = prepare(tiny(algo="local", clients=4, rounds=1))
+    runtime = LocalRuntime(p)
+    h = runtime.hosts[0]
+    encoded = []
+    original = host_module._dump
+    monkeypatch.setattr(host_module, "_dump", lambda obj: (encoded.append(1), original(obj))[1])
+    first = h.state()
+    assert len(encoded) == 4
+    h.run("evaluate", [(c, {}) for c in range(4)])
+    assert h.state() == first and len(encoded) == 4  # evaluation changed nothing: nothing encoded again
+    h.run("train", [(1, {}), (3, {})])
+    second = h.state()
+    assert len(encoded) == 6  # clients 1 and 3 only
+    assert second[0] == first[0] and second[2] == first[2] and second[1] != first[1] and second[3] != first[3]
+    encoded.clear()
+    h._encoded.clear()  # encoding every client afresh gives the same states (a client evaluated with no
+    fresh = h.state()   # weights of its own may now hold a copy of the initial model: the same model)
+    assert len(encoded) == 4
+    from rayfl.snapshot import loads
+
+    for c in range(4):
+        a, b = loads(second[c]), loads(fresh[c])
+        for st in (a, b):
+            st["model"] = p.initial if st["model"] is None else st["model"]
+        np.testing.assert_array_equal(a["model"], b["model"])
+        assert a["state"] == b["state"] and a["rng"] == b["rng"]
+        assert torch.equal(a["gen"], b["gen"])

@@ -144,6 +144,8 @@ class ClientLogic:
         return None
 
     def step_evaluate(self, client, msg: Message, models: dict) -> Upload:
+        """The loop's evaluation of this client's personalized model. It must leave the client as it was
+        (weights, state, RNGs): the host re-encodes for snapshots only the clients that ran other steps."""
         return client.evaluate(client.model)
 
 
