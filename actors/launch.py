@@ -21,6 +21,7 @@ from rayfl.actors.driver import DriverActor
 from rayfl.actors.resources import DRIVER_CPUS, n_actors_for, plan_actor_resources, preflight
 from rayfl.actors.runtime import start_client_actors
 from rayfl.config import UserError
+from rayfl.progress import stderr_into
 
 
 class DriverLost(RuntimeError):
@@ -105,15 +106,8 @@ def _ray_warnings_to_log():
         folder = worker._global_node.get_logs_dir_path()
     except Exception:  # noqa: BLE001 - connected to a remote cluster: its logs are on its head node
         folder = tempfile.gettempdir()
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(os.path.join(folder, "rayfl-submitter.err"), "ab") as f:
-            os.dup2(f.fileno(), 2)
-            yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
+    with open(os.path.join(folder, "rayfl-submitter.err"), "ab") as f, stderr_into(f):
+        yield
 
 
 def _follow(driver, seen: dict, on_round, on_event, poll_seconds: float, stop_grace_seconds: float) -> dict:

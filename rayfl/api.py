@@ -97,7 +97,7 @@ def _progress(progress: bool | Progress | None) -> Progress:
     return lambda event: None
 
 
-def _start_ray(address: str | None, emit: Progress) -> bool:
+def start_ray(address: str | None, emit: Progress) -> bool:
     """Connect unless this process already is; True when we started (and so must shut down) Ray."""
     import ray
 
@@ -170,7 +170,7 @@ def run_config(cfg: Config | None, *, resume: str | None = None, address: str | 
     progress({"event": "plan", "cfg": cfg, "prepared": prepared, "run_dir": run_dir, "tracking_uri": uri,
               "experiment_id": exp_id, "run_name": run_name})
 
-    started = _start_ray(address, progress)
+    started = start_ray(address, progress)
     clock, walls = RoundClock(), {}
 
     def on_event(event: dict) -> None:
@@ -310,7 +310,7 @@ def tune_args(args) -> SweepResult:
     else:
         meta = command._new_sweep(args)
     emit = _progress(not args.quiet)
-    started = _start_ray(args.address, emit)
+    started = start_ray(args.address, emit)
     try:
         code = command._run(meta, args, resume=bool(args.resume))
     finally:

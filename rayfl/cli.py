@@ -9,9 +9,9 @@ import argparse
 import dataclasses
 import os
 import sys
+from contextlib import contextmanager
 
 from rayfl.config import FIELDS, UserError, make_config
-from rayfl.progress import format_round  # noqa: F401 - rayfl.sweep.stage1 shows its rounds with it
 
 # Flag help, grouped as the help screen shows them. Every Config field is a flag (dashes for underscores).
 GROUPS = {
@@ -271,32 +271,21 @@ def check_address(address: str | None) -> None:
         raise UserError(f"address={address!r}: no Ray cluster answers there ({reason})") from None
 
 
-class _stderr_kept_aside:
+@contextmanager
+def _stderr_kept_aside():
     """File descriptor 2 into a temporary file while Ray starts: Ray's C++ retries print many lines. On
-    success they are passed on unchanged; on failure the caller prints one line naming the file."""
+    success they are passed on unchanged; on failure the caller prints one line naming the file (``.name``)."""
+    import tempfile
 
-    def __enter__(self):
-        import tempfile
+    from rayfl.progress import stderr_into
 
-        sys.stderr.flush()
-        self.file = tempfile.NamedTemporaryFile(prefix="rayfl-ray-start-", suffix=".log", delete=False)
-        self.name = self.file.name
-        self.saved = os.dup(2)
-        os.dup2(self.file.fileno(), 2)
-        return self
-
-    def __exit__(self, kind, exc, tb):
-        sys.stderr.flush()
-        os.dup2(self.saved, 2)
-        os.close(self.saved)
-        self.file.close()
-        if kind is None:
-            with open(self.name, "rb") as f:
-                text = f.read()
-            os.unlink(self.name)
-            if text:
-                os.write(2, text)
-        return False
+    with tempfile.NamedTemporaryFile(prefix="rayfl-ray-start-", suffix=".log", delete=False) as f, stderr_into(f):
+        yield f
+    with open(f.name, "rb") as kept:
+        text = kept.read()
+    os.unlink(f.name)
+    if text:
+        os.write(2, text)
 
 
 def cmd_algos() -> int:

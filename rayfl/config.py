@@ -173,6 +173,12 @@ def _fraction(name: str, value: float, low_open: bool, high_open: bool = False) 
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+# Config fields that do not change what a run computes (where it runs, how it is kept and tracked; the data's
+# location, where the data itself is compared by content): a checkpoint resumes, and a stored stage is shared,
+# across other values of these.
+NOT_RESULTS = frozenset({"out_dir", "tracking_uri", "experiment", "run_name", "client_metrics", "checkpoint_every",
+                         "snapshot_every", "max_restarts", "stage_cache", "clients_per_actor", "cpus_per_actor",
+                         "gpus_per_actor", "torch_threads", "data_root", "download"})
 
 
 def make_config(file: str | None = None, overrides: Mapping[str, Any] | None = None) -> Config:

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from rayfl import snapshot
+from rayfl.config import NOT_RESULTS, UserError
 from rayfl.metrics import round_summary
 from rayfl.runtime import ClientsLost
 from rayfl.stage_cache import StageReuse
@@ -207,8 +208,6 @@ class Loop:
         """The checkpoint in ``directory``, or None; UserError when it is not this rayfl's, not this config's
         (unless ``same_config`` is off: a shared stage, whose key already says what it depends on),
         unreadable, or an old pickle file (never opened: unpickling can run code)."""
-        from rayfl.config import UserError
-
         path = os.path.join(directory, CHECKPOINT_FILE)
         if not os.path.isfile(path):
             legacy = os.path.join(directory, LEGACY_CHECKPOINT)
@@ -304,14 +303,9 @@ CHECKPOINT_FILE = "checkpoint.rayfl"  # rayfl.snapshot format: JSON header and r
 LEGACY_CHECKPOINT = "checkpoint.pkl"  # what rayfl wrote before; refused, never opened
 _CHECKPOINT_KEYS = frozenset({"rayfl_version", "config_hash", "config", "step", "server", "clients", "rng",
                               "server_rng", "history", "last_eval", "setup_metrics"})
-# Config values that do not change a run's results: a checkpoint may be resumed with other values of these.
-NOT_RESULTS = frozenset({"out_dir", "tracking_uri", "experiment", "run_name", "client_metrics", "checkpoint_every",
-                         "snapshot_every", "max_restarts", "clients_per_actor", "cpus_per_actor", "gpus_per_actor",
-                         "torch_threads", "data_root", "download"})
-
-
 def config_fingerprint(cfg) -> tuple[dict, str]:
-    """The config values that determine a run's results, and their hash."""
+    """The config values that determine a run's results (not :data:`rayfl.config.NOT_RESULTS`), and their
+    hash."""
     values = {k: v for k, v in cfg.to_flat().items() if k not in NOT_RESULTS}
     text = json.dumps(values, sort_keys=True, default=repr)
     return values, hashlib.sha256(text.encode()).hexdigest()

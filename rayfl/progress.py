@@ -10,8 +10,25 @@ checkpoints are in it. Any callable taking such a dict can stand in for the cons
 
 from __future__ import annotations
 
+import os
 import sys
 import time
+from contextlib import contextmanager
+
+
+@contextmanager
+def stderr_into(f):
+    """File descriptor 2 into the open file ``f`` for a while: what Ray's C++ code prints there (start-up
+    retries, warnings) stays out of the console."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    os.dup2(f.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def format_round(rec: dict, wall: float | None = None, eta: float | None = None) -> str:

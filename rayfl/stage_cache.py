@@ -21,9 +21,8 @@ import time
 
 import numpy as np
 
-# Config fields that do not change what a run computes (or, for the data, are replaced by its digest).
-NOT_COMPUTED = ("run_name", "experiment", "tracking_uri", "out_dir", "checkpoint_every", "client_metrics",
-                "stage_cache", "data_root", "download", "clients_per_actor", "cpus_per_actor", "gpus_per_actor")
+from rayfl.config import NOT_RESULTS
+
 
 
 def data_identity(dataset, federation) -> str:
@@ -39,7 +38,7 @@ def data_identity(dataset, federation) -> str:
 
 def stage_keys(cfg, params, stages, data_id: str, version: str) -> list[str]:
     """One key per stage: a hash of all that the state at the end of that stage depends on."""
-    base = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NOT_COMPUTED and k != "params"}
+    base = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NOT_RESULTS and k != "params"}
     knobs = dataclasses.asdict(params)
     keys, names, read = [], [], set()
     for stage in stages:

@@ -30,7 +30,8 @@ def add_compare_parser(subparsers, add_config_arguments) -> None:
 
 
 def cmd_compare(args) -> int:
-    from rayfl.cli import format_round, parse_params
+    from rayfl.cli import parse_params
+    from rayfl.progress import format_round
     from rayfl.comparison.run import compare
 
     config = read_yaml(args.config) if args.config else {}

@@ -164,11 +164,9 @@ def compare(algos: Sequence[str] | None = None, seeds: Sequence[int] = (0, 1, 2)
         if runtime == "ray":
             import ray
 
-            if not ray.is_initialized():
-                from rayfl.cli import init_ray
+            from rayfl.api import start_ray
 
-                init_ray(address)
-                started_ray = True
+            started_ray = start_ray(address, lambda event: None)
             cpus = float(ray.cluster_resources().get("CPU", 1.0))
             concurrent = max_concurrent or max(1, min(len(prepared), int(cpus // max(1, base.torch_threads))))
             with ThreadPoolExecutor(concurrent) as ex:
@@ -182,9 +180,9 @@ def compare(algos: Sequence[str] | None = None, seeds: Sequence[int] = (0, 1, 2)
         raise
     finally:
         if started_ray:
-            import ray
+            from rayfl.cli import shutdown_ray
 
-            ray.shutdown()
+            shutdown_ray()  # and the environment init_ray changed, as it was
     runs = pd.DataFrame(rows)
     if NO_FINAL_UPDATE in set(runs["algo"]):
         order.insert(order.index("fedfomo") + 1, NO_FINAL_UPDATE)

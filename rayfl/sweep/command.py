@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from rayfl.config import FIELDS, UserError, make_config, read_yaml
-from rayfl.sweep.placement import TRIAL_CPUS, _bundles_for, _pg_factory, bundle_total
+from rayfl.sweep.placement import _bundles_for, _pg_factory, bundle_total
 from rayfl.sweep.progress import _progress_callback
 from rayfl.sweep.space import Plan, Space, find_space_file, load_space, plan_sweep, validate_space
 from rayfl.sweep.trial import run_trial

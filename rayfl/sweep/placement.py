@@ -8,7 +8,8 @@ group goes.
 
 from __future__ import annotations
 
-from rayfl.config import FIELDS, make_config
+from rayfl.config import make_config
+from rayfl.sweep.space import trial_values
 
 TRIAL_CPUS = 0.05  # the trial function mostly waits on its driver
 
@@ -44,13 +45,7 @@ def in_process(cfg, share: dict) -> bool:
 
 
 def _bundles_for(config: dict, base: dict, share: dict) -> list[dict]:
-    values = {k: (dict(v) if k == "params" else v) for k, v in base.items()}
-    for key, value in config.items():
-        if key in FIELDS:
-            values[key] = value
-        else:
-            values.setdefault("params", {})[key] = value
-    return trial_bundles(make_config(None, values), share)
+    return trial_bundles(make_config(None, trial_values(base, config)), share)
 
 
 def _pg_factory(config: dict, base: dict, share: dict):

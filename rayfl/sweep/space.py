@@ -15,7 +15,6 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-import yaml
 
 from rayfl.config import FIELDS, UserError, load_yaml, make_config
 
@@ -161,18 +160,23 @@ class Plan:
     notes: list[str] = field(default_factory=list)
 
     def values(self, sample: dict) -> dict:
-        """The Config values of one trial: ``base`` with the sampled keys put where they belong."""
-        out = {k: (dict(v) if k == "params" else v) for k, v in self.base.items()}
-        out.setdefault("params", {})
-        for key, value in sample.items():
-            if key in FIELDS:
-                out[key] = value
-            else:
-                out["params"][key] = value
-        return out
+        return trial_values(self.base, sample)
 
     def config(self, sample: dict):
         return make_config(None, self.values(sample))
+
+
+def trial_values(base: dict, sample: dict) -> dict:
+    """The Config values of one trial: ``base`` with the sampled keys put where they belong (config keys at
+    the top, algorithm knobs under ``params``)."""
+    out = {k: (dict(v) if k == "params" else v) for k, v in base.items()}
+    out.setdefault("params", {})
+    for key, value in sample.items():
+        if key in FIELDS:
+            out[key] = value
+        else:
+            out["params"][key] = value
+    return out
 
 
 def _algo_knobs(algo: str) -> list[str]:

@@ -13,6 +13,7 @@ import time
 
 from rayfl.config import FIELDS, make_config
 from rayfl.sweep.placement import bundle_total
+from rayfl.sweep.space import trial_values
 
 
 def _show(value) -> str:
@@ -38,12 +39,7 @@ def run_trial(config: dict, ctx: dict) -> None:
     from rayfl.tracking import numeric
 
     trial_id = tune.get_context().get_trial_id()
-    values = {k: (dict(v) if k == "params" else v) for k, v in ctx["base"].items()}
-    for key, value in config.items():
-        if key in FIELDS:
-            values[key] = value
-        else:
-            values.setdefault("params", {})[key] = value
+    values = trial_values(ctx["base"], config)
     values["stage_cache"] = ctx.get("stage_cache") or ""  # trials that agree up to a stage share it ("": off)
     if not values.get("checkpoint_every"):
         values["checkpoint_every"] = 1  # a trial Tune retries after its process died goes on from its last round
