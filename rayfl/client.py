@@ -205,15 +205,16 @@ class Client:
     def evaluate(self, model: nn.Module | Callable, splits=("val", "test")) -> dict:
         """Loss and accuracy of ``model`` on each split, with split sizes: the loop's evaluation record."""
         sizes = [self.n(split) for split in splits]
-        if 1 < len(splits) and sum(sizes) <= self.SMALL_EVAL:
+        if self.small_eval(splits):
             x, y = self._joined(tuple(splits))
             results = training.evaluate_small(model, x, y, sizes, self.settings.task)
         else:
             results = [training.evaluate(model, *self.splits[split], self.settings.task) for split in splits]
-        out: dict[str, float] = {}
-        for split, n, (loss, acc) in zip(splits, sizes, results):
-            out[f"{split}_loss"], out[f"{split}_acc"], out[f"n_{split}"] = loss, acc, n
-        return out
+        return _record(splits, sizes, results)
+
+    def small_eval(self, splits=("val", "test")) -> bool:
+        """Whether ``evaluate`` joins these splits into one forward pass (they are small)."""
+        return 1 < len(splits) and sum(self.n(split) for split in splits) <= self.SMALL_EVAL
 
     def _joined(self, splits: tuple) -> tuple:
         """The splits' samples end to end, kept while the splits stay the same tensors."""
@@ -222,3 +223,36 @@ class Client:
             self._joined_xy = tuple(torch.cat([self.splits[s][i] for s in splits]) for i in (0, 1))
             self._joined_key = key
         return self._joined_xy
+
+
+def _record(splits, sizes: list[int], results: list[tuple]) -> dict:
+    out: dict[str, float] = {}
+    for split, n, (loss, acc) in zip(splits, sizes, results):
+        out[f"{split}_loss"], out[f"{split}_acc"], out[f"n_{split}"] = loss, acc, n
+    return out
+
+
+EVAL_BATCH = 4096  # samples per forward pass when several clients are evaluated together
+
+
+def evaluate_together(model: nn.Module, clients: list[Client], splits=("val", "test")) -> list[dict]:
+    """``client.evaluate(model, splits)`` for each of several clients with small splits (``small_eval``), in as
+    few forward passes of at most EVAL_BATCH samples as whole clients allow: one model shared by 500
+    clients of a few samples each is one forward pass instead of 500."""
+    splits = tuple(splits)
+    out: list[dict] = []
+    start = 0
+    while start < len(clients):
+        end, total = start, 0
+        while end < len(clients) and (end == start or total + clients[end]._joined(splits)[0].shape[0] <= EVAL_BATCH):
+            total += clients[end]._joined(splits)[0].shape[0]
+            end += 1
+        chunk = clients[start:end]
+        joined = [c._joined(splits) for c in chunk]
+        x, y = (torch.cat([xy[i] for xy in joined]) for i in (0, 1))
+        sizes = [c.n(split) for c in chunk for split in splits]
+        results = training.evaluate_small(model, x, y, sizes, chunk[0].settings.task)
+        k = len(splits)
+        out.extend(_record(splits, sizes[i * k:(i + 1) * k], results[i * k:(i + 1) * k]) for i in range(len(chunk)))
+        start = end
+    return out

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from rayfl import training
-from rayfl.client import Bench, Client, TrainSettings
+from rayfl.algorithms.base import ClientLogic
+from rayfl.client import Bench, Client, TrainSettings, evaluate_together
 from rayfl.reduce import Partial, accumulate
 
 
@@ -102,16 +103,44 @@ class ClientHost:
             self._changed.update(cid for cid, _ in items)
         uploads, partial = [], {}
         try:
-            for (cid, msg), models in zip(items, resolved):
-                self.bench.step += 1
-                t0 = time.perf_counter()
-                up = method(self.clients[cid], msg, models) or {}
-                up.setdefault("seconds", time.perf_counter() - t0)
+            together = self._evaluate_together(items, resolved) if step == "evaluate" else {}
+            for i, ((cid, msg), models) in enumerate(zip(items, resolved)):
+                if i in together:
+                    up = together[i]
+                else:
+                    self.bench.step += 1
+                    t0 = time.perf_counter()
+                    up = method(self.clients[cid], msg, models) or {}
+                    up.setdefault("seconds", time.perf_counter() - t0)
                 accumulate(reduce, up, partial)
                 uploads.append(up)
         finally:
             self.bench.end_call()
         return uploads, partial
+
+    def _evaluate_together(self, items: list[tuple[int, dict]], resolved: list[dict]) -> dict[int, dict]:
+        """The default ``step_evaluate`` of the clients that are evaluated with the same weights
+        (``ClientLogic.eval_weights``: FedAvg's global model) and have small splits, done together: item
+        index -> its record, each client's ``seconds`` its share of the group's time. At 1,000 clients of a
+        few samples a forward pass per client was half of a round."""
+        if type(self.logic).step_evaluate is not ClientLogic.step_evaluate:
+            return {}  # the logic evaluates in its own way
+        groups: dict[int, tuple[Any, list[int]]] = {}
+        for i, ((cid, msg), models) in enumerate(zip(items, resolved)):
+            weights = self.logic.eval_weights(msg, models)
+            if weights is not None and self.clients[cid].small_eval():
+                groups.setdefault(id(weights), (weights, []))[1].append(i)
+        out: dict[int, dict] = {}
+        for weights, members in groups.values():
+            if len(members) < 2:
+                continue  # alone, its own step is as quick
+            self.bench.step += 1
+            t0 = time.perf_counter()
+            records = evaluate_together(self.bench.model_of(weights), [self.clients[items[i][0]] for i in members])
+            share = (time.perf_counter() - t0) / len(members)
+            for i, rec in zip(members, records):
+                out[i] = {**rec, "seconds": share}
+        return out
 
     def _resolve_models(self, model_maps: list[dict]) -> list[dict]:
         handles, slots = [], []

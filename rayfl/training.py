@@ -190,20 +190,20 @@ def evaluate_small(model: nn.Module, x: torch.Tensor, y: torch.Tensor, sizes: li
     set_mode(model, training=False)
     out = model(x)
     losses = loss_fn_for(task)(out, y, reduction="none")
-    per_sample = losses.reshape(losses.shape[0], -1).sum(1).double()
-    correct = (out.argmax(1) == y) if task != "regression" else None
-    results, start = [], 0
-    for n in sizes:
-        if n == 0:
-            results.append((float("nan"), float("nan")))
-            continue
-        total = float(per_sample[start:start + n].sum())
-        if task == "regression":
-            results.append((total / (n * y[0].numel()), float("nan")))
-        else:
-            results.append((total / n, int(correct[start:start + n].sum()) / n))
-        start += n
-    return results
+    per_sample = losses.reshape(losses.shape[0], -1).sum(1).double().cpu().numpy()
+    sizes = np.asarray(sizes, dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    full = sizes > 0  # reduceat sums from each start to the next; empty segments are NaN
+    loss_sums = np.full(sizes.shape, np.nan)
+    loss_sums[full] = np.add.reduceat(per_sample, starts[full]) if full.any() else []
+    if task == "regression":
+        values = sizes * (y[0].numel() if len(y) else 1)  # a loss per value, as evaluate()
+        return [(float(total / k) if k else float("nan"), float("nan")) for total, k in zip(loss_sums, values)]
+    correct = (out.argmax(1) == y).cpu().numpy().astype(np.int64)
+    hits = np.zeros(sizes.shape, dtype=np.int64)
+    hits[full] = np.add.reduceat(correct, starts[full]) if full.any() else []
+    return [(float(total / k), float(h / k)) if k else (float("nan"), float("nan"))
+            for total, h, k in zip(loss_sums, hits, sizes)]
 
 
 @torch.no_grad()

@@ -248,3 +248,62 @@ def test_small_splits_evaluated_in_one_pass_equal_separate_evaluations():
             assert rec[f"n_{s}"] == splits[s][0].shape[0]
             np.testing.assert_allclose([rec[f"{s}_loss"], rec[f"{s}_acc"]], [loss, acc], rtol=1e-6, equal_nan=True)
         assert rec["val_loss"] != rec["test_loss"]  # the segments are told apart
+
+
+@pytest.mark.parametrize("batch", [4096, 20])  # all clients in one forward pass; a few clients per pass
+def test_clients_evaluated_together_equal_their_own_evaluations(monkeypatch, batch):
+    """evaluate_together (one model, several clients' small splits in few forward passes) gives each client
+    the record of client.evaluate alone: classification and regression, a client with an empty split."""
+    import torch
+
+    from rayfl import client as client_mod
+    from rayfl.client import Client, TrainSettings, evaluate_together
+
+    monkeypatch.setattr(client_mod, "EVAL_BATCH", batch)
+    torch.manual_seed(1)
+    for task, out_dim, y_of in (("classification", 4, lambda n: torch.randint(0, 4, (n,))),
+                                ("regression", 2, lambda n: torch.randn(n, 2))):
+        model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.ReLU(), torch.nn.Linear(8, out_dim))
+        clients = [Client(c, {s: (torch.randn(n, 3), y_of(n)) for s, n in (("train", 2), ("val", nv), ("test", nt))},
+                          lambda: model, None, TrainSettings(task, 1, 0.1, 4), seed=0)
+                   for c, (nv, nt) in enumerate([(3, 5), (0, 4), (7, 2), (6, 6)])]
+        passes = []
+        hook = model.register_forward_hook(lambda m, inp, out: passes.append(inp[0].shape[0]))
+        together = evaluate_together(model, clients)
+        hook.remove()
+        assert len(together) == len(clients)
+        assert passes == ([8 + 4 + 9 + 12] if batch > 33 else [8 + 4, 9, 12])  # whole clients, <= batch
+        for client, rec in zip(clients, together):
+            alone = client.evaluate(model)
+            assert rec.keys() == alone.keys()
+            for k in rec:
+                np.testing.assert_allclose(rec[k], alone[k], rtol=1e-6, equal_nan=True, err_msg=k)
+            assert rec["n_val"] == client.n("val")
+
+
+def test_a_host_evaluates_clients_sharing_the_global_model_together():
+    """FedAvg's clients (eval_weights: the global model) are evaluated together by their host, with the
+    records their own step would give; a logic with its own step_evaluate keeps it."""
+    from conftest import tiny
+    from rayfl.algorithms.baselines import FedAvgClient
+    from rayfl.experiment import prepare
+    from rayfl.runtime import LocalRuntime
+
+    p = prepare(tiny(algo="fedavg", clients=4, samples_per_client=30))
+    host = LocalRuntime(p, n_hosts=1).hosts[0]
+    glob = p.initial + np.float32(0.01)
+    items = [(c, {"models": {"global": glob}}) for c in host.clients]
+    assert set(host._evaluate_together(items, [{"global": glob}] * len(items))) == set(range(len(items)))
+    ups, _ = host.run("evaluate", items)
+    for (cid, _), up in zip(items, ups):
+        alone = host.clients[cid].evaluate(host.clients[cid].model_of(glob))
+        for k in alone:
+            assert up[k] == pytest.approx(alone[k], rel=1e-6, nan_ok=True), k
+
+    class OwnEvaluation(FedAvgClient):
+        def step_evaluate(self, client, msg, models):
+            return {"mine": 1.0}
+
+    host.logic = OwnEvaluation(host.logic.params)
+    assert host._evaluate_together(items, [{"global": glob}] * len(items)) == {}
+    assert [u["mine"] for u in host.run("evaluate", items)[0]] == [1.0] * len(items)

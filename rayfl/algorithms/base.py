@@ -24,7 +24,10 @@ An algorithm is one module in ``rayfl/algorithms/`` that defines three things an
     ``msg["models"]`` with every handle resolved to a flat float32 numpy vector (a dict name -> vector,
     a list of vectors, or a dict key -> vector; an empty list or dict stays present, empty). A step returns a small dict, its *upload*; a vector meant
     to stay in the object store is wrapped with ``client.share(vec)``, which the driver sees as a handle.
-    ``step_evaluate`` (default: evaluate ``client.model``) reports the personalized model's metrics.
+    ``step_evaluate`` (default: evaluate ``client.model``) reports the personalized model's metrics; a
+    logic whose clients are evaluated with weights the message names (FedAvg's global model) says which in
+    ``eval_weights`` and keeps the default ``step_evaluate``: a host then evaluates all its clients that
+    share those weights together, in one forward pass where their splits are small.
     ``client.model`` is the client's personal model, made on first use; a step that trains a working copy
     that is not the client's own (FedAvg) uses ``client.scratch(vec)`` and so keeps no personal weights.
 
@@ -146,7 +149,13 @@ class ClientLogic:
     def step_evaluate(self, client, msg: Message, models: dict) -> Upload:
         """The loop's evaluation of this client's personalized model. It must leave the client as it was
         (weights, state, RNGs): the host re-encodes for snapshots only the clients that ran other steps."""
-        return client.evaluate(client.model)
+        weights = self.eval_weights(msg, models)
+        return client.evaluate(client.model if weights is None else client.model_of(weights))
+
+    def eval_weights(self, msg: Message, models: dict) -> Any:
+        """The vector the default ``step_evaluate`` evaluates instead of the client's own model, the same
+        for every client given the same message (FedAvg: the global model); None: the client's own."""
+        return None
 
 
 @dataclass(frozen=True)

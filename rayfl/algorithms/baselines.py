@@ -57,8 +57,8 @@ class FedAvgClient(ClientLogic):
         result = client.fit(model)
         return {"weights": client.vector(model), **result}
 
-    def step_evaluate(self, client, msg, models):
-        return client.evaluate(client.model_of(models["global"]) if "global" in models else client.model)
+    def eval_weights(self, msg, models):
+        return models.get("global")  # the global model while there is one (fine-tuned clients: their own)
 
 
 @dataclass
