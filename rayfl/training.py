@@ -190,20 +190,19 @@ def evaluate_small(model: nn.Module, x: torch.Tensor, y: torch.Tensor, sizes: li
     set_mode(model, training=False)
     out = model(x)
     losses = loss_fn_for(task)(out, y, reduction="none")
-    per_sample = losses.reshape(losses.shape[0], -1).sum(1).double().cpu().numpy()
-    sizes = np.asarray(sizes, dtype=np.int64)
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    full = sizes > 0  # reduceat sums from each start to the next; empty segments are NaN
-    loss_sums = np.full(sizes.shape, np.nan)
-    loss_sums[full] = np.add.reduceat(per_sample, starts[full]) if full.any() else []
-    if task == "regression":
-        values = sizes * (y[0].numel() if len(y) else 1)  # a loss per value, as evaluate()
-        return [(float(total / k) if k else float("nan"), float("nan")) for total, k in zip(loss_sums, values)]
-    correct = (out.argmax(1) == y).cpu().numpy().astype(np.int64)
-    hits = np.zeros(sizes.shape, dtype=np.int64)
-    hits[full] = np.add.reduceat(correct, starts[full]) if full.any() else []
-    return [(float(total / k), float(h / k)) if k else (float("nan"), float("nan"))
-            for total, h, k in zip(loss_sums, hits, sizes)]
+    per_sample = losses.reshape(losses.shape[0], -1).sum(1).double().tolist()  # cheap for 2 or 2,000 segments
+    hits = (out.argmax(1) == y).tolist() if task != "regression" else None
+    values = y[0].numel() if task == "regression" and len(y) else 1  # regression: a loss per value
+    results, end = [], 0
+    for n in sizes:
+        start, end = end, end + n
+        if n == 0:
+            results.append((float("nan"), float("nan")))
+        elif hits is None:
+            results.append((sum(per_sample[start:end]) / (n * values), float("nan")))
+        else:
+            results.append((sum(per_sample[start:end]) / n, sum(hits[start:end]) / n))
+    return results
 
 
 @torch.no_grad()
