@@ -86,10 +86,13 @@ def main(argv=None) -> int:
     ap.add_argument("--clients", type=int, nargs="+", default=[1000, 10000], choices=sorted(PARTICIPATION))
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--modes", default="rayfl,no-mlflow,local")
+    ap.add_argument("--reps", type=int, default=1, help="repetitions of the interleaved modes (ratios: median "
+                                                         "of each repetition's own ratio)")
     ap.add_argument("--timeout", type=float, default=1800)
     args = ap.parse_args(argv)
+    modes = args.modes.split(",")
     with tempfile.TemporaryDirectory() as random_root:
-        rows = {}
+        rows: dict[tuple, list] = {}
         for k in args.clients:
             root = MNIST
             if k > 1000 or not os.path.isdir(MNIST):
@@ -99,19 +102,23 @@ def main(argv=None) -> int:
                       "clients": k, "samples_per_client": 10, "participation": PARTICIPATION[k],
                       "model": "mlp-784-200", "rounds": args.rounds, "lr": 0.05, "batch_size": 32,
                       "experiment": "bench-scale"}
-            for mode in args.modes.split(","):
-                r = measure(mode, values, args.timeout)
-                rows[(k, mode)] = r
-                print(f"{k:6d} clients  {mode:9s}  {r['steady']:.3f} s/round  peak {r['peak'] / 2**30:.2f} GiB  "
-                      f"first round after {r['startup']:.1f} s  wall {r['wall']:.0f} s", flush=True)
+            for rep in range(args.reps):
+                for mode in modes:
+                    r = measure(mode, values, args.timeout)
+                    rows.setdefault((k, mode), []).append(r)
+                    print(f"rep {rep + 1} {k:6d} clients  {mode:9s}  {r['steady']:.3f} s/round  peak "
+                          f"{r['peak'] / 2**30:.2f} GiB  first round after {r['startup']:.1f} s  wall {r['wall']:.0f} s",
+                          flush=True)
     print()
     for k in args.clients:
-        have = {m for kk, m in rows if kk == k}
-        if {"rayfl", "local"} <= have:
-            print(f"{k} clients: rayfl/LocalRuntime = {rows[(k, 'rayfl')]['steady'] / rows[(k, 'local')]['steady']:.2f}")
-        if {"rayfl", "no-mlflow"} <= have:
-            cost = rows[(k, "rayfl")]["steady"] / rows[(k, "no-mlflow")]["steady"] - 1
-            print(f"{k} clients: tracking cost = {100 * cost:+.1f}% of a round")
+        def ratios(a: str, b: str) -> str:
+            each = [x["steady"] / y["steady"] for x, y in zip(rows[(k, a)], rows[(k, b)])]
+            return f"{statistics.median(each):.2f} (each repetition: {', '.join(f'{r:.2f}' for r in each)})"
+
+        if "rayfl" in modes and "local" in modes:
+            print(f"{k} clients: rayfl/LocalRuntime = {ratios('rayfl', 'local')}")
+        if "rayfl" in modes and "no-mlflow" in modes:
+            print(f"{k} clients: rayfl/no-MLflow = {ratios('rayfl', 'no-mlflow')} (tracking's cost: the excess over 1)")
     return 0
 
 
