@@ -103,6 +103,24 @@ def test_background_writer_keeps_every_value_when_the_run_fails(tmp_path):
     assert table.test_acc.mean() == pytest.approx(loop.history[1]["test_acc_mean"])
 
 
+def test_a_round_table_reads_back_as_pandas_writes_it(tmp_path):
+    """The per-round client table (csv module, for speed) reads back as pandas' to_csv of the same records
+    does: a column per key in first-seen order, NaN and missing keys empty, numpy scalars as numbers."""
+    import pandas as pd
+
+    from rayfl.tracking import write_client_table
+
+    records = {2: {"val_loss": 0.25, "val_acc": float("nan"), "n_val": 3, "test_loss": np.float32(1.5)},
+               0: {"val_loss": 1 / 3, "val_acc": 0.5, "n_val": np.int64(4), "test_loss": np.float32("nan")},
+               1: {"val_loss": 2.0, "extra": True}}
+    write_client_table(str(tmp_path / "mine.csv"), 5, records)
+    theirs = pd.DataFrame([{"client": c, **rec} for c, rec in sorted(records.items())])
+    theirs.insert(0, "round", 5)
+    theirs.to_csv(tmp_path / "pandas.csv", index=False)
+    pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "mine.csv"), pd.read_csv(tmp_path / "pandas.csv"))
+    assert ",," in (tmp_path / "mine.csv").read_text() and "nan" not in (tmp_path / "mine.csv").read_text()
+
+
 def test_per_client_metrics_only_for_small_federations(tmp_path):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     p = prepare(tiny(algo="fedavg", clients=4, rounds=1, client_metrics=3))
