@@ -82,6 +82,8 @@ class DriverActor:
 
         tracker = self.tracker = (MlflowTracker(**self.tracking, run_id=self.resume.get("run_id"))
                                   if self.tracking is not None else None)  # None: benchmarks
+        if tracker:
+            tracker.connect()  # while the client actors start
         wait_for_actors(self.runtime.actors, self.queue.push)
         callbacks = [tracker, self.queue] if tracker else [self.queue]
         self.loop = Loop(self.prepared, self.runtime, callbacks, self.checkpoint_dir)

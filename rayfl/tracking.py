@@ -148,6 +148,7 @@ class MlflowTracker(Callback):
         self._pending: list = []  # metrics waiting for the writer's next batch
         self._sent = 0.0
         self.algo = ""
+        self._client = None
         self._tmp = tempfile.mkdtemp(prefix="rayfl-artifacts-")
 
     # --- writing, in the background -------------------------------------------------------------
@@ -198,15 +199,24 @@ class MlflowTracker(Callback):
 
                 self._client.log_figure(self.run_id, matrix_plot(self.algo, name, arr), f"plots/{name}.png")
 
-    # --- callback hooks -------------------------------------------------------------------------
-    def on_start(self, loop) -> None:
+    def connect(self) -> None:
+        """Import MLflow and open the tracking store (2-3 s of one core with a SQLite store): a driver does it
+        while its client actors start, instead of after."""
         import mlflow
         from mlflow.tracking import MlflowClient
 
-        from rayfl.provenance import run_tags
-
         mlflow.set_tracking_uri(self.uri)
         self._client = MlflowClient(self.uri)
+        self._client.get_experiment(self.experiment_id)  # the store opened (MLflow keeps it for the process)
+
+    # --- callback hooks -------------------------------------------------------------------------
+    def on_start(self, loop) -> None:
+        import mlflow
+
+        from rayfl.provenance import run_tags
+
+        if self._client is None:
+            self.connect()
         self.algo = loop.cfg.algo
         resume_file = os.path.join(loop.checkpoint_dir, "mlflow_run_id") if loop.checkpoint_dir else None
         resumed = bool(loop.start_step > 0 and resume_file and os.path.isfile(resume_file))
