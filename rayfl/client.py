@@ -244,9 +244,11 @@ def evaluate_together(model: nn.Module, clients: list[Client], splits=("val", "t
     start = 0
     while start < len(clients):
         end, total = start, 0
-        while end < len(clients) and (end == start or total + clients[end]._joined(splits)[0].shape[0] <= EVAL_BATCH):
-            total += clients[end]._joined(splits)[0].shape[0]
-            end += 1
+        while end < len(clients):
+            n = clients[end]._joined(splits)[0].shape[0]
+            if end > start and total + n > EVAL_BATCH:
+                break
+            total, end = total + n, end + 1
         chunk = clients[start:end]
         joined = [c._joined(splits) for c in chunk]
         x, y = (torch.cat([xy[i] for xy in joined]) for i in (0, 1))
