@@ -204,13 +204,10 @@ class Client:
 
     def evaluate(self, model: nn.Module | Callable, splits=("val", "test")) -> dict:
         """Loss and accuracy of ``model`` on each split, with split sizes: the loop's evaluation record."""
-        sizes = [self.n(split) for split in splits]
         if self.small_eval(splits):
-            x, y = self._joined(tuple(splits))
-            results = training.evaluate_small(model, x, y, sizes, self.settings.task)
-        else:
-            results = [training.evaluate(model, *self.splits[split], self.settings.task) for split in splits]
-        return _record(splits, sizes, results)
+            return evaluate_together(model, [self], splits)[0]
+        results = [training.evaluate(model, *self.splits[split], self.settings.task) for split in splits]
+        return _record(splits, [self.n(split) for split in splits], results)
 
     def small_eval(self, splits=("val", "test")) -> bool:
         """Whether ``evaluate`` joins these splits into one forward pass (they are small)."""

@@ -91,8 +91,6 @@ class FlatSGD:
         self.buf: torch.Tensor | None = None
         self.grad = _flat_grad(model)
 
-
-
     def zero_grad(self, set_to_none: bool = True) -> None:  # the flat buffer stays; it is zeroed in place
         self.grad.zero_()
 
