@@ -29,8 +29,9 @@ class RoundQueue(Callback):
         with self._lock:
             self._items.append({**item, "time": time.time(), "driver_pid": os.getpid()})
 
-    def on_start(self, loop) -> None:
-        self.push({"event": "start", "start_step": loop.start_step, "total": len(loop.schedule())})
+    def on_start(self, loop) -> None:  # placement: each client actor's node, pid, GPUs and clients
+        self.push({"event": "start", "start_step": loop.start_step, "total": len(loop.schedule()),
+                   "placement": loop.runtime.placement()})
 
     def on_setup(self, loop) -> None:
         self.push({"event": "setup"})
@@ -83,7 +84,7 @@ class DriverActor:
         tracker = self.tracker = (MlflowTracker(**self.tracking, run_id=self.resume.get("run_id"))
                                   if self.tracking is not None else None)  # None: benchmarks
         if tracker:
-            tracker.connect()  # while the client actors start
+            tracker.open()  # MLflow opens in the background, while the client actors start
         wait_for_actors(self.runtime.actors, self.queue.push)
         callbacks = [tracker, self.queue] if tracker else [self.queue]
         self.loop = Loop(self.prepared, self.runtime, callbacks, self.checkpoint_dir)

@@ -150,25 +150,25 @@ def run(config: str | dict | Config | None = None, *, resume: str | None = None,
 def run_config(cfg: Config | None, *, resume: str | None = None, address: str | None = None,
                progress: Progress = lambda e: None, command: str | None = None) -> RunResult:
     """:func:`run` for a built Config (``None`` with ``resume``): checks, Ray, the run, the result."""
-    from rayfl.cli import check_address, load_run_dir, make_run_dir, open_experiment
+    from rayfl.cli import check_address, load_run_dir, make_run_dir
     from rayfl.experiment import prepare
     from rayfl.provenance import origin
-    from rayfl.tracking import resolve_tracking_uri
+    from rayfl.tracking import check_local_store, resolve_tracking_uri
 
     check_address(address)
     if resume:
         cfg = load_run_dir(resume)
     prepared = prepare(cfg)  # every user mistake surfaces here, before Ray starts
-    if not (address or os.environ.get("RAY_ADDRESS")):
+    uri = resolve_tracking_uri(cfg.tracking_uri)
+    if not (address or os.environ.get("RAY_ADDRESS")):  # a private instance on this machine:
         from rayfl.actors.resources import preflight
 
-        preflight(cfg)  # a private instance on this machine: a request it cannot hold is refused now
-    uri = resolve_tracking_uri(cfg.tracking_uri)
+        preflight(cfg)  # a request it cannot hold is refused now
+        check_local_store(uri, cfg.experiment)  # and a store path its driver could not open
     run_name = cfg.run_name or f"{cfg.algo}-{cfg.dataset}-{cfg.partition}-s{cfg.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = os.path.abspath(resume) if resume else make_run_dir(cfg, run_name, uri)
-    exp_id = open_experiment(uri, cfg.experiment)
     progress({"event": "plan", "cfg": cfg, "prepared": prepared, "run_dir": run_dir, "tracking_uri": uri,
-              "experiment_id": exp_id, "run_name": run_name})
+              "run_name": run_name})
 
     started = start_ray(address, progress)
     clock, walls = RoundClock(), {}
@@ -182,7 +182,9 @@ def run_config(cfg: Config | None, *, resume: str | None = None, address: str | 
         walls[rec["step"]] = clock.round(rec)[0]
         progress({"event": "round", **rec})
 
-    tracking = {"tracking_uri": uri, "experiment_id": exp_id, "run_name": run_name, "tags": origin(command)}
+    # the driver opens the experiment (created if missing) in the background: MLflow's import and the store's
+    # schema check cost 2-4 s of a core that start-up needs (Ray's workers share this working directory)
+    tracking = {"tracking_uri": uri, "experiment": cfg.experiment, "run_name": run_name, "tags": origin(command)}
     try:
         from rayfl.actors.launch import launch
 
@@ -194,7 +196,7 @@ def run_config(cfg: Config | None, *, resume: str | None = None, address: str | 
 
             shutdown_ray()
     result = RunResult(out["final"], _history(out["history"], walls), _clients(out["per_client"], prepared.info),
-                       out["run_id"], run_dir, uri, exp_id)
+                       out["run_id"], run_dir, uri, out["experiment_id"])
     progress({"event": "done", "result": result})
     return result
 

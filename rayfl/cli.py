@@ -357,14 +357,12 @@ def make_run_dir(cfg, run_name: str, uri: str) -> str:
 
 def open_experiment(uri: str, experiment: str) -> str:
     """The experiment's id in the tracking store; a store that cannot be opened is one line."""
-    from rayfl.tracking import ensure_experiment
+    from rayfl.tracking import ensure_experiment, store_error
 
     try:
         return ensure_experiment(uri, experiment)
     except Exception as e:  # noqa: BLE001 - MLflow's errors for a bad store vary (sqlite, http, paths)
-        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"tracking_uri={uri!r}: cannot open experiment {experiment!r} there "
-                        f"({type(e).__name__}: {detail[:200]})") from None
+        raise UserError(store_error(uri, experiment, e)) from None
 
 
 def cmd_run(args) -> int:

@@ -27,7 +27,8 @@ def execute(loop: Loop, tracker=None) -> dict:
     finally:
         loop.runtime.shutdown()
     return {"final": loop.final, "history": loop.history, "per_client": loop.last_eval,
-            "run_id": tracker.run_id if tracker else None, "client_restarts": loop.restarts}
+            "run_id": tracker.run_id if tracker else None,
+            "experiment_id": tracker.experiment_id if tracker else None, "client_restarts": loop.restarts}
 
 
 class _Rounds(Callback):

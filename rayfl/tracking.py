@@ -8,9 +8,11 @@ of a run's charts before the unprefixed summary), and artifacts (config, placeme
 round history, the final summary as ``results/final.json`` (the last point of every series, not a second
 set of one-point charts), final weights, plots, and whatever the algorithm keeps, such as FedFomo's P).
 
-Everything after the run's start is written by one background thread (:class:`Writer`), so that a round
-never waits on the tracking store; the run is closed only after the writer has drained its queue, when the
-run ends and when it fails, so nothing queued is lost.
+Everything, from importing MLflow and opening the store and the experiment to creating the run, is done by
+one background thread (:class:`Writer`), so that neither start-up nor a round waits on the tracking store;
+the run is closed only after the writer has drained its queue, when the run ends and when it fails, so
+nothing queued is lost. A store that fails ends the run at the next round. A checkpoint waits for the
+queue; a process killed outright loses what was queued (and, in its first seconds, the run itself).
 """
 
 from __future__ import annotations
@@ -27,9 +29,9 @@ import time
 from typing import Callable
 
 import numpy as np
-import pandas as pd
 import yaml
 
+from rayfl.config import UserError
 from rayfl.loop import Callback
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
@@ -46,6 +48,37 @@ def resolve_tracking_uri(uri: str | None) -> str:
     elif ":" not in uri and uri not in ("databricks", "databricks-uc", "uc"):  # a plain path: a file store
         uri = os.path.abspath(os.path.expanduser(uri))
     return uri
+
+
+def check_local_store(uri: str, experiment: str) -> None:
+    """A SQLite file or store directory on this machine that MLflow could not open or write, refused before
+    anything starts (the store itself is opened by the run's driver, in the background)."""
+    if uri.startswith("sqlite:////"):  # SQLite makes the file, not its directory
+        path = uri[len("sqlite:///"):]
+        folder = os.path.dirname(path)
+        problem = ("it is a directory" if os.path.isdir(path) else
+                   f"no directory {folder}" if not os.path.isdir(folder) else _unwritable(path, folder))
+    elif uri.startswith("/") or uri.startswith("file:///"):  # a file store makes its directories
+        path = uri.removeprefix("file://")
+        folder = path
+        while not os.path.exists(folder):
+            folder = os.path.dirname(folder)
+        problem = f"{folder} is a file" if not os.path.isdir(folder) else _unwritable(path, folder)
+    else:
+        return
+    if problem:
+        raise UserError(f"tracking_uri={uri!r}: cannot open experiment {experiment!r} there ({problem})")
+
+
+def _unwritable(path: str, folder: str) -> str | None:
+    target = path if os.path.exists(path) else folder
+    return None if os.access(target, os.W_OK) else f"{target} is not writable"
+
+
+def store_error(uri: str, experiment: str, e: Exception) -> str:
+    """A tracking store that cannot be opened, in one line."""
+    detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return f"tracking_uri={uri!r}: cannot open experiment {experiment!r} there ({type(e).__name__}: {detail[:200]})"
 
 
 def ensure_experiment(uri: str, name: str) -> str:
@@ -89,6 +122,7 @@ class Writer:
     def __init__(self, idle: Callable[[], None] = lambda: None, every: float = 1.0):
         self._jobs: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
+        self._reported = False
         self._idle, self._every = idle, every
         self._thread = threading.Thread(target=self._work, name="rayfl-mlflow-writer", daemon=True)
         self._thread.start()
@@ -114,15 +148,19 @@ class Writer:
         if self._error is None:
             try:
                 job()
-            except BaseException as e:  # noqa: BLE001 - kept and raised by flush
+            except BaseException as e:  # noqa: BLE001 - kept (every later job skipped) and raised once
                 self._error = e
+
+    def check(self) -> None:
+        """Raise the first error of a job, once, without waiting for the queue."""
+        if self._error is not None and not self._reported:
+            self._reported = True
+            raise self._error
 
     def flush(self) -> None:
         self._jobs.put(self._idle)
         self._jobs.join()
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
+        self.check()
 
     def close(self) -> None:
         self._jobs.put(None)
@@ -130,14 +168,15 @@ class Writer:
 
 
 class MlflowTracker(Callback):
-    def __init__(self, tracking_uri: str, experiment_id: str, run_name: str | None = None,
+    def __init__(self, tracking_uri: str, experiment_id: str | None = None, run_name: str | None = None,
                  parent_run_id: str | None = None, extra_params: dict | None = None, tags: dict | None = None,
-                 run_id: str | None = None):
-        """``tags``: the submitting process's provenance (rayfl.provenance.origin) and the sweep's own;
+                 run_id: str | None = None, experiment: str | None = None):
+        """``experiment_id``, or ``experiment``: a name, the experiment opened (created if missing) by the
+        writer; ``tags``: the submitting process's provenance (rayfl.provenance.origin) and the sweep's own;
         ``run_id``: an MLflow run to reopen and go on with (a driver restarted after its predecessor died)."""
         self.uri = tracking_uri
         self.tags = tags or {}
-        self.experiment_id = experiment_id
+        self.experiment_id, self.experiment = experiment_id, experiment
         self.run_name = run_name
         self.parent_run_id = parent_run_id
         self.extra_params = extra_params or {}
@@ -185,6 +224,8 @@ class MlflowTracker(Callback):
         self._log_file(name, lambda p: np.save(p, np.asarray(array)), artifact_path)
 
     def _log_object(self, name: str, obj, path: str) -> None:
+        import pandas as pd
+
         if isinstance(obj, pd.DataFrame):
             self._log_file(f"{name}.csv", lambda p: obj.to_csv(p, index=False), path)
         elif isinstance(obj, dict):
@@ -199,61 +240,77 @@ class MlflowTracker(Callback):
 
                 self._client.log_figure(self.run_id, matrix_plot(self.algo, name, arr), f"plots/{name}.png")
 
-    def connect(self) -> None:
-        """Import MLflow and open the tracking store (2-3 s of one core with a SQLite store): a driver does it
-        while its client actors start, instead of after."""
-        import mlflow
+    def open(self) -> None:
+        """Start the writer and have it import MLflow, open the store and the experiment (2-4 s of one core
+        with a SQLite store): off the critical path, while client actors start and the first rounds run."""
+        if self.writer is None:
+            self.writer = Writer(idle=self._send_metrics, every=METRICS_EVERY)
+            self._submit(self._connect)
+
+    def _connect(self) -> None:
         from mlflow.tracking import MlflowClient
 
-        mlflow.set_tracking_uri(self.uri)
-        self._client = MlflowClient(self.uri)
-        self._client.get_experiment(self.experiment_id)  # the store opened (MLflow keeps it for the process)
+        try:
+            self._client = MlflowClient(self.uri)
+            if self.experiment_id is None:
+                exp = self._client.get_experiment_by_name(self.experiment)
+                self.experiment_id = exp.experiment_id if exp else self._client.create_experiment(self.experiment)
+            else:
+                self._client.get_experiment(self.experiment_id)
+        except Exception as e:  # noqa: BLE001 - MLflow's errors for a bad store vary (sqlite, http, paths)
+            raise UserError(store_error(self.uri, self.experiment or self.experiment_id, e)) from None
 
     # --- callback hooks -------------------------------------------------------------------------
     def on_start(self, loop) -> None:
-        import mlflow
-
+        """The run is created (or reopened) by the writer: no round waits for the tracking store."""
         from rayfl.provenance import run_tags
 
-        if self._client is None:
-            self.connect()
+        self.open()
         self.algo = loop.cfg.algo
+        self.client_metrics = loop.cfg.clients <= loop.cfg.client_metrics
         resume_file = os.path.join(loop.checkpoint_dir, "mlflow_run_id") if loop.checkpoint_dir else None
         resumed = bool(loop.start_step > 0 and resume_file and os.path.isfile(resume_file))
-        if self.reopen:
-            resumed = True
-            run = mlflow.start_run(run_id=self.reopen)
-        elif resumed:
-            run = mlflow.start_run(run_id=open(resume_file).read().strip())
-        else:
-            run = mlflow.start_run(experiment_id=self.experiment_id, run_name=self.run_name,
-                                   parent_run_id=self.parent_run_id, tags=run_tags(loop.cfg, self.tags))
-            cfg = loop.cfg
-            params = {**cfg.to_flat(), "model_resolved": loop.prepared.model_spec.name,
-                      "n_params": loop.prepared.info.n_params, "n_actors": len(loop.runtime.placement()),
-                      **self.extra_params}
-            mlflow.log_params({k: ("" if v is None else v) for k, v in params.items()})
-            mlflow.log_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False), "config.yaml")
-            mlflow.log_dict({"placement": loop.runtime.placement()}, "placement.json")
-            mlflow.log_table(pd.DataFrame({"client": range(cfg.clients), "n_train": loop.prepared.info.n_train,
-                                           "group": loop.prepared.info.groups or [None] * cfg.clients}),
-                             "results/clients.json")
-        self.run_id = run.info.run_id
-        self.client_metrics = loop.cfg.clients <= loop.cfg.client_metrics
-        self.writer = Writer(idle=self._send_metrics, every=METRICS_EVERY)
-        reuse = loop.stage_reuse.reused if loop.stage_reuse else None
-        if reuse and not resumed:  # a stored stage (rayfl.stage_cache): its rounds, as if they had run here
-            from mlflow.entities import Metric
+        reopen = self.reopen or (open(resume_file).read().strip() if resumed else None)
+        cfg, info = loop.cfg, loop.prepared.info
+        placement = loop.runtime.placement()
+        params = {**cfg.to_flat(), "model_resolved": loop.prepared.model_spec.name, "n_params": info.n_params,
+                  "n_actors": len(placement), **self.extra_params}
+        tags = run_tags(cfg, self.tags)
+        reuse = loop.stage_reuse.reused if loop.stage_reuse and not reopen else None
+        reused = [dict(h) for h in loop.history] if reuse else []
 
-            now = int(time.time() * 1000)
-            items = [Metric(k, v, now, h["step"] + 1) for h in loop.history
-                     for k, v in numeric(h, finite_only=False).items() if k != "step"]
-            self._log_items(items)
-            mlflow.set_tags({"rayfl.stage_reused": reuse[0], "rayfl.stage_key": reuse[1]})
-        if resume_file:
-            os.makedirs(loop.checkpoint_dir, exist_ok=True)
-            with open(resume_file, "w") as f:
-                f.write(self.run_id)
+        def begin():
+            import pandas as pd
+            from mlflow.entities import Metric, Param
+            from mlflow.tracking.context.registry import resolve_tags
+
+            client = self._client
+            if reopen:
+                self.run_id = reopen
+                client.update_run(reopen, status="RUNNING")
+            else:
+                parent = {"mlflow.parentRunId": self.parent_run_id} if self.parent_run_id else {}
+                self.run_id = client.create_run(self.experiment_id, run_name=self.run_name,
+                                                tags=resolve_tags({**tags, **parent})).info.run_id
+                client.log_batch(self.run_id, params=[Param(k, str("" if v is None else v))
+                                                      for k, v in params.items()], synchronous=True)
+                client.log_text(self.run_id, yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False), "config.yaml")
+                client.log_dict(self.run_id, {"placement": placement}, "placement.json")
+                client.log_table(self.run_id, pd.DataFrame({"client": range(cfg.clients), "n_train": info.n_train,
+                                                            "group": info.groups or [None] * cfg.clients}),
+                                 "results/clients.json")
+            if reuse:  # a stored stage (rayfl.stage_cache): its rounds, as if they had run here
+                now = int(time.time() * 1000)
+                self._log_items([Metric(k, v, now, h["step"] + 1) for h in reused
+                                 for k, v in numeric(h, finite_only=False).items() if k != "step"])
+                client.set_tag(self.run_id, "rayfl.stage_reused", reuse[0])
+                client.set_tag(self.run_id, "rayfl.stage_key", reuse[1])
+            if resume_file:
+                os.makedirs(loop.checkpoint_dir, exist_ok=True)
+                with open(resume_file, "w") as f:
+                    f.write(self.run_id)
+
+        self._submit(begin)
 
     def on_setup(self, loop) -> None:
         if loop.setup_metrics:
@@ -261,6 +318,7 @@ class MlflowTracker(Callback):
             self._submit(lambda: self._log_metrics(metrics, 0))
 
     def on_round(self, loop, record) -> None:
+        self.writer.check()  # a store that failed ends the run now, not after its last round
         step, per_client = record.step, record.per_client
         metrics = {**numeric(record.metrics, finite_only=False), "participants": float(len(record.participants))}
         arrays = loop.server.round_artifacts(step)
@@ -292,7 +350,7 @@ class MlflowTracker(Callback):
         self._submit(job)
 
     def on_end(self, loop) -> None:
-        import mlflow
+        import pandas as pd
 
         from rayfl.plots import accuracy_plot
 
@@ -327,7 +385,7 @@ class MlflowTracker(Callback):
 
         self._submit(job)
         self._close()
-        mlflow.end_run()
+        self._client.set_terminated(self.run_id)
 
     def on_checkpoint(self, loop) -> None:
         """Everything queued reaches the store before a checkpoint: a driver restarted from it does not log
@@ -347,10 +405,8 @@ class MlflowTracker(Callback):
 
     def fail(self, status: str = "FAILED") -> None:
         """Close the run as FAILED (or KILLED when stopped on request), keeping all logged so far."""
-        import mlflow
-
         try:
             self._close()
         finally:
-            if mlflow.active_run() is not None:
-                mlflow.end_run(status=status)
+            if self.run_id is not None:
+                self._client.set_terminated(self.run_id, status)

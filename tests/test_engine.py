@@ -196,3 +196,71 @@ def test_snapshots_encode_again_only_the_clients_that_ran_a_step(monkeypatch):
         np.testing.assert_array_equal(a["model"], b["model"])
         assert a["state"] == b["state"] and a["rng"] == b["rng"]
         assert torch.equal(a["gen"], b["gen"])
+
+
+def test_rounds_do_not_wait_for_the_tracking_store(tmp_path, monkeypatch):
+    """The writer opens the store and creates the experiment (by name) and the run in the background: three
+    rounds end while the store is still closed, and every value reaches it afterwards."""
+    import threading
+
+    from rayfl.loop import Callback
+    from rayfl.tracking import MlflowTracker as Tracker
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    third_round, waited = threading.Event(), []
+    connect = Tracker._connect
+    monkeypatch.setattr(Tracker, "_connect", lambda self: (waited.append(third_round.wait(30)), connect(self))[1])
+
+    class Third(Callback):
+        def on_round(self, loop, record):
+            if record.step == 2:
+                third_round.set()
+
+    p = prepare(tiny(algo="fedavg", clients=3, rounds=4))
+    tracker = MlflowTracker(uri, experiment="by-name", run_name="bg")
+    loop = Loop(p, LocalRuntime(p), [Third(), tracker])
+    loop.run()
+    assert waited == [True] and tracker.writer is None  # the store opened after round 3; closed by on_end
+    client = MlflowClient(uri)
+    run = client.get_run(tracker.run_id)
+    assert client.get_experiment(run.info.experiment_id).name == "by-name" == \
+        client.get_experiment(tracker.experiment_id).name
+    assert run.info.status == "FINISHED" and run.data.tags["mlflow.runName"] == "bg"
+    assert run.data.params["algo"] == "fedavg" and run.data.tags["rayfl.algo"] == "fedavg"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "test_acc_mean")] == [1, 2, 3, 4]
+
+
+def test_a_store_that_fails_in_the_background_ends_the_run_at_the_next_round(tmp_path, monkeypatch):
+    """The store is opened in the background; when it cannot be, the run stops at the end of the next round
+    with the one-line error, instead of training to the end."""
+    import threading
+
+    from mlflow.tracking import MlflowClient as Client
+
+    from rayfl.config import UserError
+    from rayfl.loop import Callback
+
+    failed = threading.Event()
+
+    def refuse(self, name):
+        failed.set()
+        raise ConnectionError("connection refused\nsecond line")
+
+    monkeypatch.setattr(Client, "get_experiment_by_name", refuse)
+
+    class AfterTheFailure(Callback):  # round 1 ends after the writer failed, so its check sees it
+        def on_round(self, loop, record):
+            failed.wait(60)
+
+    p = prepare(tiny(algo="fedavg", clients=3, rounds=5))
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    tracker = MlflowTracker(uri, experiment="e")
+    loop = Loop(p, LocalRuntime(p), [AfterTheFailure(), tracker])
+    with pytest.raises(UserError, match=r"^tracking_uri='sqlite:///.*': cannot open experiment 'e' there "
+                                        r"\(ConnectionError: connection refused\)$"):
+        try:
+            loop.run()
+        except UserError:
+            tracker.fail()  # as execute() does: nothing more to raise, no run to close
+            raise
+    assert len(loop.history) == 1

@@ -190,15 +190,6 @@ def launch_run(cfg, uri, name, on_round=None, **kw):
                   on_round=on_round, poll_seconds=0.02, **kw)
 
 
-def client_pids(uri: str, run_name: str) -> list[int]:
-    """The client actors' pids, from the run's own placement record in MLflow."""
-    import json
-
-    client = MlflowClient(uri)
-    run = client.search_runs([ensure_experiment(uri, "faults")], f"attributes.run_name = '{run_name}'")[0]
-    return [a["pid"] for a in json.load(open(client.download_artifacts(run.info.run_id, "placement.json")))["placement"]]
-
-
 FAULT_CFG = dict(algo="fedfomo", rounds=4, clients=4, clients_per_actor=2, params={"M": 2}, participation=0.75)
 
 
@@ -210,15 +201,18 @@ def clean(ray_session, tmp_path_factory):
 
 def test_a_killed_client_actor_is_restarted_and_the_run_ends_as_if_nothing_happened(clean, mlflow_uri, capfd):
     cfg = tiny(**FAULT_CFG)
-    killed = []
+    killed, pids = [], []
+
+    def start(event):  # the driver says where its client actors are when the loop starts
+        if event["event"] == "start":
+            pids.extend(a["pid"] for a in event["placement"])
 
     def kill(rec):
         if rec["step"] == 1 and not killed:
-            pid = client_pids(mlflow_uri, "client-kill")[0]
-            os.kill(pid, signal.SIGKILL)
-            killed.append(pid)
+            os.kill(pids[0], signal.SIGKILL)
+            killed.append(pids[0])
 
-    result = launch_run(cfg, mlflow_uri, "client-kill", on_round=kill)
+    result = launch_run(cfg, mlflow_uri, "client-kill", on_round=kill, on_event=start)
     assert killed and result["client_restarts"] == 1
     assert_same_results(result["history"], clean["history"])
     run = MlflowClient(mlflow_uri).get_run(result["run_id"])
@@ -251,10 +245,10 @@ def test_a_killed_driver_is_replaced_and_finishes_the_same_mlflow_run(clean, mlf
 def test_a_driver_that_keeps_dying_closes_its_mlflow_run_as_failed(ray_session, mlflow_uri, tmp_path):
     from rayfl.actors.launch import DriverLost
 
-    cfg = tiny(**FAULT_CFG, max_restarts=0)
+    cfg = tiny(**FAULT_CFG, max_restarts=0, checkpoint_every=1)
 
-    def kill(rec):
-        if rec["step"] == 0:
+    def kill(rec):  # round 1 comes after round 0's checkpoint, by which the MLflow run exists (made in the background)
+        if rec["step"] == 1:
             os.kill(rec["driver_pid"], signal.SIGKILL)
 
     with pytest.raises(DriverLost, match="max_restarts=0"):
