@@ -264,3 +264,20 @@ def test_a_store_that_fails_in_the_background_ends_the_run_at_the_next_round(tmp
             tracker.fail()  # as execute() does: nothing more to raise, no run to close
             raise
     assert len(loop.history) == 1
+
+
+def test_the_writer_runs_below_its_process(tmp_path):
+    """Tracking takes the CPU that the rounds leave: the writer thread is WRITER_NICER nicer than the thread
+    that made it (Linux sets niceness per thread)."""
+    import os
+    import threading
+
+    from rayfl import tracking
+
+    seen = []
+    writer = tracking.Writer()
+    writer.submit(lambda: seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+    writer.flush()
+    writer.close()
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert seen == [min(19, mine + tracking.WRITER_NICER)] and tracking.WRITER_NICER > 0
