@@ -262,13 +262,20 @@ def check_address(address: str | None) -> None:
     host, sep, port = target.rpartition(":")
     if not sep or not host or "/" in target or not port.isdigit() or not 0 < int(port) < 65536:
         raise UserError(f"address={address!r}: expected HOST:PORT, ray://HOST:PORT or auto")
+    reason = unreachable(host.strip("[]"), int(port))
+    if reason:
+        raise UserError(f"address={address!r}: no Ray cluster answers there ({reason})")
+
+
+def unreachable(host: str, port: int) -> str | None:
+    """Why nothing accepts a TCP connection at host:port within CONNECT_TIMEOUT_S; None when something does."""
     import socket
 
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
+        socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S).close()
     except OSError as e:
-        reason = e.strerror or str(e) or type(e).__name__
-        raise UserError(f"address={address!r}: no Ray cluster answers there ({reason})") from None
+        return e.strerror or str(e) or type(e).__name__
+    return None
 
 
 @contextmanager

@@ -52,9 +52,19 @@ def resolve_tracking_uri(uri: str | None) -> str:
 
 
 def check_local_store(uri: str, experiment: str) -> None:
-    """A SQLite file or store directory on this machine that MLflow could not open or write, refused before
-    anything starts (the store itself is opened by the run's driver, in the background)."""
-    if uri.startswith("sqlite:////"):  # SQLite makes the file, not its directory
+    """A SQLite file or store directory on this machine that MLflow could not open or write, or a tracking
+    server that does not answer, refused before anything starts (the store itself is opened by the run's
+    driver, in the background; MLflow would retry a silent server for minutes)."""
+    if uri.startswith(("http://", "https://")):
+        import urllib.parse
+
+        from rayfl.cli import unreachable
+
+        url = urllib.parse.urlparse(uri)
+        port = url.port or (443 if url.scheme == "https" else 80)
+        reason = unreachable(url.hostname, port) if url.hostname else None
+        problem = f"no server answers at {url.hostname}:{port}: {reason}" if reason else None
+    elif uri.startswith("sqlite:////"):  # SQLite makes the file, not its directory
         path = uri[len("sqlite:///"):]
         folder = os.path.dirname(path)
         problem = ("it is a directory" if os.path.isdir(path) else

@@ -169,6 +169,9 @@ CASES = [
      "tracking_uri='sqlite:///{t}/nowhere/m.db': cannot open experiment 'rayfl' there (no directory {t}/nowhere)"),
     ("tracking_sqlite_is_dir", run("--tracking-uri", "sqlite:///{t}", "--experiment", "e"),
      "tracking_uri='sqlite:///{t}': cannot open experiment 'e' there (it is a directory)"),
+    ("tracking_server_silent", run("--tracking-uri", "http://127.0.0.1:1"),
+     "tracking_uri='http://127.0.0.1:1': cannot open experiment 'rayfl' there (no server answers at 127.0.0.1:1: "
+     "Connection refused)"),
     ("tracking_file_store_under_file", run("--tracking-uri", "{t}/a_file/mlruns"),
      "tracking_uri='{t}/a_file/mlruns': cannot open experiment 'rayfl' there ({t}/a_file is a file)"),
     ("run_name_slash", run("--run-name", "a/b"), "run_name='a/b': must be a non-empty name without '/'"),
