@@ -9,10 +9,11 @@ round history, the final summary as ``results/final.json`` (the last point of ev
 set of one-point charts), final weights, plots, and whatever the algorithm keeps, such as FedFomo's P).
 
 Everything, from importing MLflow and opening the store and the experiment to creating the run, is done by
-one background thread (:class:`Writer`), so that neither start-up nor a round waits on the tracking store;
-the run is closed only after the writer has drained its queue, when the run ends and when it fails, so
-nothing queued is lost. A store that fails ends the run at the next round. A checkpoint waits for the
-queue; a process killed outright loses what was queued (and, in its first seconds, the run itself).
+one background thread (:class:`Writer`): a driver starts it while its client actors start, the run exists
+before the first round, and no round waits on the tracking store after that. The run is closed only after
+the writer has drained its queue, when the run ends and when it fails, so nothing queued is lost. A store
+that fails ends the run at the next round; a checkpoint waits for the queue; a process killed outright loses
+what was queued.
 """
 
 from __future__ import annotations
@@ -125,6 +126,16 @@ def _cell(value):
     return "" if value is None or (isinstance(value, (float, np.floating)) and math.isnan(value)) else value
 
 
+def yield_cpu() -> None:
+    """The calling thread WRITER_NICER below its process (Linux sets niceness per thread): it takes the CPU
+    that the rounds' threads and processes leave."""
+    try:
+        me = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, me, min(19, os.getpriority(os.PRIO_PROCESS, me) + WRITER_NICER))
+    except (AttributeError, OSError):
+        pass
+
+
 class Writer:
     """One background thread that runs logging jobs in order; ``flush`` waits for all of them and re-raises
     the first error, so a failing store is reported instead of silently dropping values. ``idle`` runs
@@ -142,11 +153,6 @@ class Writer:
         self._jobs.put(job)
 
     def _work(self) -> None:
-        try:  # below the rounds' threads and processes: tracking takes the CPU they leave (Linux: per thread)
-            me = threading.get_native_id()
-            os.setpriority(os.PRIO_PROCESS, me, min(19, os.getpriority(os.PRIO_PROCESS, me) + WRITER_NICER))
-        except (AttributeError, OSError):
-            pass
         while True:
             try:
                 job = self._jobs.get(timeout=self._every)
@@ -258,7 +264,8 @@ class MlflowTracker(Callback):
 
     def open(self) -> None:
         """Start the writer and have it import MLflow, open the store and the experiment (2-4 s of one core
-        with a SQLite store): off the critical path, while client actors start and the first rounds run."""
+        with a SQLite store) while this process does other work: a driver calls it while its client actors
+        start. Then the writer yields the CPU to the rounds."""
         if self.writer is None:
             self.writer = Writer(idle=self._send_metrics, every=METRICS_EVERY)
             self._submit(self._connect)
@@ -275,10 +282,12 @@ class MlflowTracker(Callback):
                 self._client.get_experiment(self.experiment_id)
         except Exception as e:  # noqa: BLE001 - MLflow's errors for a bad store vary (sqlite, http, paths)
             raise UserError(store_error(self.uri, self.experiment or self.experiment_id, e)) from None
+        yield_cpu()
 
     # --- callback hooks -------------------------------------------------------------------------
     def on_start(self, loop) -> None:
-        """The run is created (or reopened) by the writer: no round waits for the tracking store."""
+        """The run is created (or reopened) by the writer, and exists before the first round: MLflow's imports
+        and store would otherwise slow the first rounds, and a store that cannot be opened ends the run here."""
         from rayfl.provenance import run_tags
 
         self.open()
@@ -327,6 +336,7 @@ class MlflowTracker(Callback):
                     f.write(self.run_id)
 
         self._submit(begin)
+        self.writer.flush()
 
     def on_setup(self, loop) -> None:
         if loop.setup_metrics:

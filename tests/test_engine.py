@@ -198,64 +198,51 @@ def test_snapshots_encode_again_only_the_clients_that_ran_a_step(monkeypatch):
         assert torch.equal(a["gen"], b["gen"])
 
 
-def test_rounds_do_not_wait_for_the_tracking_store(tmp_path, monkeypatch):
-    """The writer opens the store and creates the experiment (by name) and the run in the background: three
-    rounds end while the store is still closed, and every value reaches it afterwards."""
+def test_the_store_opens_in_the_background_and_the_run_exists_before_round_one(tmp_path, monkeypatch):
+    """``open`` returns at once while the writer opens the store and creates the experiment (by name): a driver
+    calls it while its client actors start. The run exists before the first round and gets every value."""
     import threading
 
     from rayfl.loop import Callback
     from rayfl.tracking import MlflowTracker as Tracker
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    third_round, waited = threading.Event(), []
+    release, connected = threading.Event(), threading.Event()
     connect = Tracker._connect
-    monkeypatch.setattr(Tracker, "_connect", lambda self: (waited.append(third_round.wait(30)), connect(self))[1])
-
-    class Third(Callback):
-        def on_round(self, loop, record):
-            if record.step == 2:
-                third_round.set()
-
-    p = prepare(tiny(algo="fedavg", clients=3, rounds=4))
+    monkeypatch.setattr(Tracker, "_connect", lambda self: (release.wait(30), connect(self), connected.set()))
     tracker = MlflowTracker(uri, experiment="by-name", run_name="bg")
-    loop = Loop(p, LocalRuntime(p), [Third(), tracker])
-    loop.run()
-    assert waited == [True] and tracker.writer is None  # the store opened after round 3; closed by on_end
+    tracker.open()  # must not wait for the store
+    assert not connected.is_set()
+    release.set()
+    runs_at_round = []
+
+    class Runs(Callback):
+        def on_round(self, loop, record):
+            runs_at_round.append(len(MlflowClient(uri).search_runs([tracker.experiment_id])))
+
+    p = prepare(tiny(algo="fedavg", clients=3, rounds=3))
+    Loop(p, LocalRuntime(p), [Runs(), tracker]).run()
+    assert runs_at_round == [1, 1, 1] and tracker.writer is None  # closed by on_end
     client = MlflowClient(uri)
     run = client.get_run(tracker.run_id)
-    assert client.get_experiment(run.info.experiment_id).name == "by-name" == \
-        client.get_experiment(tracker.experiment_id).name
+    assert client.get_experiment(run.info.experiment_id).name == "by-name"
     assert run.info.status == "FINISHED" and run.data.tags["mlflow.runName"] == "bg"
     assert run.data.params["algo"] == "fedavg" and run.data.tags["rayfl.algo"] == "fedavg"
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "test_acc_mean")] == [1, 2, 3, 4]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "test_acc_mean")] == [1, 2, 3]
 
 
-def test_a_store_that_fails_in_the_background_ends_the_run_at_the_next_round(tmp_path, monkeypatch):
-    """The store is opened in the background; when it cannot be, the run stops at the end of the next round
-    with the one-line error, instead of training to the end."""
-    import threading
-
+def test_a_store_that_cannot_be_opened_ends_the_run_before_its_first_round(tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient as Client
 
     from rayfl.config import UserError
-    from rayfl.loop import Callback
-
-    failed = threading.Event()
 
     def refuse(self, name):
-        failed.set()
         raise ConnectionError("connection refused\nsecond line")
 
     monkeypatch.setattr(Client, "get_experiment_by_name", refuse)
-
-    class AfterTheFailure(Callback):  # round 1 ends after the writer failed, so its check sees it
-        def on_round(self, loop, record):
-            failed.wait(60)
-
     p = prepare(tiny(algo="fedavg", clients=3, rounds=5))
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    tracker = MlflowTracker(uri, experiment="e")
-    loop = Loop(p, LocalRuntime(p), [AfterTheFailure(), tracker])
+    tracker = MlflowTracker(f"sqlite:///{tmp_path}/mlflow.db", experiment="e")
+    loop = Loop(p, LocalRuntime(p), [tracker])
     with pytest.raises(UserError, match=r"^tracking_uri='sqlite:///.*': cannot open experiment 'e' there "
                                         r"\(ConnectionError: connection refused\)$"):
         try:
@@ -263,21 +250,54 @@ def test_a_store_that_fails_in_the_background_ends_the_run_at_the_next_round(tmp
         except UserError:
             tracker.fail()  # as execute() does: nothing more to raise, no run to close
             raise
-    assert len(loop.history) == 1
+    assert loop.history == []
 
 
-def test_the_writer_runs_below_its_process(tmp_path):
-    """Tracking takes the CPU that the rounds leave: the writer thread is WRITER_NICER nicer than the thread
-    that made it (Linux sets niceness per thread)."""
+def test_a_store_that_fails_later_ends_the_run_at_the_next_round(tmp_path, monkeypatch):
+    """After the run started, a failing store stops the run at the end of the next round, not its last."""
+    import threading
+
+    from rayfl.loop import Callback
+
+    failed = threading.Event()
+
+    def broken(*args, **kwargs):
+        failed.set()
+        raise ConnectionError("the store went away")
+
+    class AfterTheFailure(Callback):  # round 1's values are the first the writer sends; wait for its failure
+        def on_round(self, loop, record):
+            if record.step == 1:
+                failed.wait(30)
+
+    p = prepare(tiny(algo="fedavg", clients=3, rounds=6))
+    tracker = MlflowTracker(f"sqlite:///{tmp_path}/mlflow.db", experiment="e")
+    loop = Loop(p, LocalRuntime(p), [AfterTheFailure(), tracker])
+    original = tracker._log_metrics
+    monkeypatch.setattr(tracker, "_log_metrics", lambda m, step: broken() if step >= 1 else original(m, step))
+    with pytest.raises(ConnectionError, match="the store went away"):
+        try:
+            loop.run()
+        except ConnectionError:
+            tracker.fail()
+            raise
+    assert len(loop.history) == 2
+    assert MlflowClient(tracker.uri).get_run(tracker.run_id).info.status == "FAILED"
+
+
+def test_the_writer_yields_the_cpu_once_the_store_is_open(tmp_path):
+    """Tracking takes the CPU that the rounds leave: once connected, the writer thread is WRITER_NICER nicer
+    than the thread that made it (Linux sets niceness per thread)."""
     import os
     import threading
 
     from rayfl import tracking
 
     seen = []
-    writer = tracking.Writer()
-    writer.submit(lambda: seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
-    writer.flush()
-    writer.close()
+    tracker = MlflowTracker(f"sqlite:///{tmp_path}/mlflow.db", experiment="e")
+    tracker.open()
+    tracker._submit(lambda: seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+    tracker.writer.flush()
+    tracker.writer.close()
     mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     assert seen == [min(19, mine + tracking.WRITER_NICER)] and tracking.WRITER_NICER > 0

@@ -245,10 +245,10 @@ def test_a_killed_driver_is_replaced_and_finishes_the_same_mlflow_run(clean, mlf
 def test_a_driver_that_keeps_dying_closes_its_mlflow_run_as_failed(ray_session, mlflow_uri, tmp_path):
     from rayfl.actors.launch import DriverLost
 
-    cfg = tiny(**FAULT_CFG, max_restarts=0, checkpoint_every=1)
+    cfg = tiny(**FAULT_CFG, max_restarts=0)
 
-    def kill(rec):  # round 1 comes after round 0's checkpoint, by which the MLflow run exists (made in the background)
-        if rec["step"] == 1:
+    def kill(rec):
+        if rec["step"] == 0:
             os.kill(rec["driver_pid"], signal.SIGKILL)
 
     with pytest.raises(DriverLost, match="max_restarts=0"):
