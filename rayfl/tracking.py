@@ -94,13 +94,13 @@ def store_error(uri: str, experiment: str, e: Exception) -> str:
 
 
 def ensure_experiment(uri: str, name: str) -> str:
-    """Experiment id for ``name``, created if missing (in the calling process, so that its artifact
-    location is resolved against the user's working directory)."""
-    import mlflow
+    """Experiment id for ``name``, created if missing (by the calling process: MLflow resolves a new
+    experiment's artifact location against its working directory, which Ray's local workers share)."""
+    from mlflow.tracking import MlflowClient
 
-    mlflow.set_tracking_uri(uri)
-    exp = mlflow.get_experiment_by_name(name)
-    return exp.experiment_id if exp else mlflow.create_experiment(name)
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name(name)
+    return exp.experiment_id if exp else client.create_experiment(name)
 
 
 def numeric(metrics: dict, finite_only: bool = True) -> dict[str, float]:
@@ -275,11 +275,8 @@ class MlflowTracker(Callback):
 
         try:
             self._client = MlflowClient(self.uri)
-            if self.experiment_id is None:
-                exp = self._client.get_experiment_by_name(self.experiment)
-                self.experiment_id = exp.experiment_id if exp else self._client.create_experiment(self.experiment)
-            else:
-                self._client.get_experiment(self.experiment_id)
+            self.experiment_id = self.experiment_id or ensure_experiment(self.uri, self.experiment)
+            self._client.get_experiment(self.experiment_id)  # a given id must exist
         except Exception as e:  # noqa: BLE001 - MLflow's errors for a bad store vary (sqlite, http, paths)
             raise UserError(store_error(self.uri, self.experiment or self.experiment_id, e)) from None
         yield_cpu()
