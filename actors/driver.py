@@ -64,19 +64,18 @@ def wait_for_actors(actors: list, report, every: float = 1.0) -> None:
 
 @ray.remote(max_concurrency=2)
 class DriverActor:
-    def __init__(self, prepared, actors: list, resources, tracking: dict, checkpoint_dir: str | None,
-                 resume: dict | None = None):
-        """``actors``: the run's client actors, started by the submitter at the same time as this driver."""
-        from rayfl.actors.runtime import RayRuntime
-
-        self.prepared, self.tracking, self.checkpoint_dir = prepared, tracking, checkpoint_dir
+    def __init__(self, prepared, resources, tracking: dict, checkpoint_dir: str | None, resume: dict | None = None):
+        """Started before the run's client actors (so that it gets one of the workers Ray keeps started, and
+        its MLflow work begins as early as it can); ``run`` gets their handles."""
+        self.prepared, self.resources, self.tracking, self.checkpoint_dir = prepared, resources, tracking, checkpoint_dir
         self.resume = resume or {}
         self.queue = RoundQueue()
         self.loop = None
         self.tracker = None
-        self.runtime = RayRuntime(prepared, actors, resources)
 
-    def run(self) -> dict:
+    def run(self, actors: list) -> dict:
+        """The whole run over the client actors ``actors`` (started by the submitter right after this driver)."""
+        from rayfl.actors.runtime import RayRuntime
         from rayfl.inprocess import execute
         from rayfl.loop import Loop
         from rayfl.tracking import MlflowTracker
@@ -85,9 +84,10 @@ class DriverActor:
                                   if self.tracking is not None else None)  # None: benchmarks
         if tracker:
             tracker.open()  # MLflow opens in the background, while the client actors start
-        wait_for_actors(self.runtime.actors, self.queue.push)
+        runtime = RayRuntime(self.prepared, actors, self.resources)
+        wait_for_actors(runtime.actors, self.queue.push)
         callbacks = [tracker, self.queue] if tracker else [self.queue]
-        self.loop = Loop(self.prepared, self.runtime, callbacks, self.checkpoint_dir)
+        self.loop = Loop(self.prepared, runtime, callbacks, self.checkpoint_dir)
         return execute(self.loop, tracker)
 
     def poll(self) -> dict:

@@ -61,15 +61,16 @@ def launch(prepared, tracking: dict | None, checkpoint_dir: str | None = None,
     seen = {"run_id": None, "step": -1, "since": time.time()}
     for attempt in range(cfg.max_restarts + 1):
         resume = {"run_id": _run_id(seen, checkpoint_dir)} if attempt else None
-        # the client actors and the driver start side by side (each is a process that imports torch)
+        # the driver and the client actors start side by side (each is a process that imports torch); the
+        # driver first: its MLflow work is the longest path to the first round
+        driver = DriverActor.options(num_cpus=DRIVER_CPUS, **(driver_options or {})).remote(
+            light, resources, tracking, checkpoint_dir, resume)
         with _ray_warnings_to_log():
             actors, kept = start_client_actors(light, x_ref, y_ref, resources, n_actors, actor_options)
         if on_event:
             on_event({"event": "actors", "ready": 0, "total": n_actors, "time": time.time()})
-        driver = DriverActor.options(num_cpus=DRIVER_CPUS, **(driver_options or {})).remote(
-            light, actors, resources, tracking, checkpoint_dir, resume)
         try:
-            result = _follow(driver, seen, on_round, on_event, poll_seconds, stop_grace_seconds)
+            result = _follow(driver, actors, seen, on_round, on_event, poll_seconds, stop_grace_seconds)
         except ray.exceptions.RayActorError as e:
             if isinstance(e, ray.exceptions.RayTaskError):  # the run failed inside a live driver
                 raise
@@ -110,9 +111,10 @@ def _ray_warnings_to_log():
         yield
 
 
-def _follow(driver, seen: dict, on_round, on_event, poll_seconds: float, stop_grace_seconds: float) -> dict:
-    """Run the driver to its end, passing on each round not shown before; its result."""
-    done = driver.run.remote()
+def _follow(driver, actors: list, seen: dict, on_round, on_event, poll_seconds: float,
+            stop_grace_seconds: float) -> dict:
+    """Run the driver over ``actors`` to its end, passing on each round not shown before; its result."""
+    done = driver.run.remote(actors)
     try:
         while True:
             ready, _ = ray.wait([done], timeout=poll_seconds)
