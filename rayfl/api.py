@@ -150,10 +150,10 @@ def run(config: str | dict | Config | None = None, *, resume: str | None = None,
 def run_config(cfg: Config | None, *, resume: str | None = None, address: str | None = None,
                progress: Progress = lambda e: None, command: str | None = None) -> RunResult:
     """:func:`run` for a built Config (``None`` with ``resume``): checks, Ray, the run, the result."""
-    from rayfl.cli import check_address, load_run_dir, make_run_dir
+    from rayfl.cli import check_address, check_tracking_store, load_run_dir, make_run_dir
     from rayfl.experiment import prepare
     from rayfl.provenance import origin
-    from rayfl.tracking import check_local_store, resolve_tracking_uri
+    from rayfl.tracking import resolve_tracking_uri
 
     check_address(address)
     if resume:
@@ -164,7 +164,7 @@ def run_config(cfg: Config | None, *, resume: str | None = None, address: str | 
         from rayfl.actors.resources import preflight
 
         preflight(cfg)  # a request it cannot hold is refused now
-        check_local_store(uri, cfg.experiment)  # and a store path its driver could not open
+        check_tracking_store(uri, cfg.experiment)  # and a tracking store its driver could not open
     run_name = cfg.run_name or f"{cfg.algo}-{cfg.dataset}-{cfg.partition}-s{cfg.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = os.path.abspath(resume) if resume else make_run_dir(cfg, run_name, uri)
     progress({"event": "plan", "cfg": cfg, "prepared": prepared, "run_dir": run_dir, "tracking_uri": uri,

@@ -52,41 +52,6 @@ def resolve_tracking_uri(uri: str | None) -> str:
     return uri
 
 
-def check_local_store(uri: str, experiment: str) -> None:
-    """A SQLite file or store directory on this machine that MLflow could not open or write, or a tracking
-    server that does not answer, refused before anything starts (the store itself is opened by the run's
-    driver, in the background; MLflow would retry a silent server for minutes)."""
-    if uri.startswith(("http://", "https://")):
-        import urllib.parse
-
-        from rayfl.cli import unreachable
-
-        url = urllib.parse.urlparse(uri)
-        port = url.port or (443 if url.scheme == "https" else 80)
-        reason = unreachable(url.hostname, port) if url.hostname else None
-        problem = f"no server answers at {url.hostname}:{port}: {reason}" if reason else None
-    elif uri.startswith("sqlite:////"):  # SQLite makes the file, not its directory
-        path = uri[len("sqlite:///"):]
-        folder = os.path.dirname(path)
-        problem = ("it is a directory" if os.path.isdir(path) else
-                   f"no directory {folder}" if not os.path.isdir(folder) else _unwritable(path, folder))
-    elif uri.startswith("/") or uri.startswith("file:///"):  # a file store makes its directories
-        path = uri.removeprefix("file://")
-        folder = path
-        while not os.path.exists(folder):
-            folder = os.path.dirname(folder)
-        problem = f"{folder} is a file" if not os.path.isdir(folder) else _unwritable(path, folder)
-    else:
-        return
-    if problem:
-        raise UserError(f"tracking_uri={uri!r}: cannot open experiment {experiment!r} there ({problem})")
-
-
-def _unwritable(path: str, folder: str) -> str | None:
-    target = path if os.path.exists(path) else folder
-    return None if os.access(target, os.W_OK) else f"{target} is not writable"
-
-
 def store_error(uri: str, experiment: str, e: Exception) -> str:
     """A tracking store that cannot be opened, in one line."""
     detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
