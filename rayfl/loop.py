@@ -150,6 +150,12 @@ class Loop:
         metrics = dict(self.server.run_round(stage, step, participants, self.call) or {})
         metrics["round_seconds"] = time.perf_counter() - t0
         metrics["client_call_seconds"] = self.call_seconds
+        snapshot_due = self.cfg.snapshot_every and (step + 1) % self.cfg.snapshot_every == 0
+        t2 = time.perf_counter()
+        # the clients' part of the snapshot, asked for before the evaluation, which leaves every client as
+        # it is: client actors encode their state while this process plans the evaluation
+        saved = self.runtime.save_clients() if snapshot_due else None
+        snapshot_seconds = time.perf_counter() - t2
         per_client: dict[int, dict] = {}
         if last or step % self.cfg.eval_every == 0:
             t1 = time.perf_counter()
@@ -163,10 +169,11 @@ class Loop:
         self.history.append({"step": step, "stage": stage.name, **metrics})
         if self.stage_reuse:
             self.stage_reuse.after_round(self, step)
-        if self.cfg.snapshot_every and (step + 1) % self.cfg.snapshot_every == 0:
+        if snapshot_due:
             t2 = time.perf_counter()
-            self.keep_snapshot(step)
-            metrics["snapshot_seconds"] = self.history[-1]["snapshot_seconds"] = time.perf_counter() - t2
+            self.keep_snapshot(step, saved)
+            snapshot_seconds += time.perf_counter() - t2
+            metrics["snapshot_seconds"] = self.history[-1]["snapshot_seconds"] = snapshot_seconds
         if step > self.reported:
             for cb in self.callbacks:
                 cb.on_round(self, record)
@@ -252,14 +259,16 @@ class Loop:
         self.start_step = state["step"] + 1
         return True
 
-    def snapshot(self, step: int) -> dict:
+    def snapshot(self, step: int, clients=None) -> dict:
         """Where to go back to after round ``step`` (-1: before setup), held in memory. The runtime keeps the
-        clients' state without waiting (under Ray: driver-owned objects, which outlive a dead actor); the
-        driver's state is copied as plain-data bytes, since servers update their arrays in place. History
-        only grows, so its length is enough."""
+        clients' state without waiting (under Ray: driver-owned objects, which outlive a dead actor), or
+        ``clients`` is what it returned when asked earlier in the round; the driver's state is copied as
+        plain-data bytes, since servers update their arrays in place. History only grows, so its length is
+        enough."""
         driver = {"server": self.server.state_dict(), "rng": self.rng.bit_generator.state,
                   "server_rng": self.server.rng.bit_generator.state}
-        return {"step": step, "clients": self.runtime.save_clients(), "driver": snapshot.dumps(driver),
+        clients = self.runtime.save_clients() if clients is None else clients
+        return {"step": step, "clients": clients, "driver": snapshot.dumps(driver),
                 "history": len(self.history), "last_eval": self.last_eval, "setup_metrics": self.setup_metrics,
                 "setup_done": self.setup_done}
 
@@ -274,9 +283,9 @@ class Loop:
         self.last_eval, self.setup_metrics, self.setup_done = snap["last_eval"], snap["setup_metrics"], snap["setup_done"]
         return snap["step"] + 1
 
-    def keep_snapshot(self, step: int) -> None:
+    def keep_snapshot(self, step: int, clients=None) -> None:
         """Two are kept: the newest may have been cut short by the very fault it is meant to undo."""
-        self.snapshots = [*self.snapshots[-1:], self.snapshot(step)]
+        self.snapshots = [*self.snapshots[-1:], self.snapshot(step, clients)]
 
     def recover(self, lost: ClientsLost, step: int) -> int:
         """Client actors died in round ``step`` (the runtime has restarted them): restore every client and the

@@ -43,11 +43,21 @@ def accumulate(reduce: WeightedMean | None, upload: dict, partial: Partial) -> N
     total, weight = partial.get(reduce.key, (None, 0.0))
     if w > 0:
         if total is None:
-            total = np.multiply(vec, w, dtype=np.float64)
+            total = np.multiply(vec, w, dtype=np.float64)  # w v_k in float64 too: no float32 rounding
         else:
-            total += np.multiply(vec, w, dtype=np.float64)  # w v_k in float64 too: no float32 rounding
+            _add_scaled(total, vec, w)
         weight += w
     partial[reduce.key] = (total, weight)
+
+
+def _add_scaled(total: np.ndarray, vec: np.ndarray, w: float) -> None:
+    """``total += w * vec`` in float64 in one pass: numpy would first write w * vec to a float64 temporary
+    (at 1,000 clients this sum was a tenth of a client actor's time). For the usual integer weights the
+    product of a float32 and w is exact in float64, so the sums are numpy's to the bit."""
+    import torch
+
+    src = torch.from_numpy(vec if vec.flags.writeable else vec.copy())  # torch wants writable memory
+    torch.from_numpy(total).add_(src, alpha=w)
 
 
 def combine(reduce: WeightedMean | None, partials: list[Partial]) -> dict:

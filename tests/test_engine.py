@@ -30,6 +30,11 @@ def test_weighted_mean_of_unequal_clients_by_hand():
     for c, host in ((0, 0), (1, 1), (2, 1)):
         accumulate(WeightedMean(), {"weights": v[c], "n": n[c]}, parts[host])
     np.testing.assert_allclose(combine(WeightedMean(), parts)["weights"], expected, rtol=1e-6)
+    frozen = {c: v[c].copy() for c in v}  # read-only, as an object-store array is
+    for arr in frozen.values():
+        arr.flags.writeable = False
+    ups = reduce_uploads(WeightedMean(), {c: {"weights": frozen[c], "n": n[c]} for c in v})
+    np.testing.assert_allclose(ups.reduced["weights"], expected, rtol=1e-6)
     with pytest.raises(ValueError, match="positive"):
         combine(WeightedMean(), [{}])
 
