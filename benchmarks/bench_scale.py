@@ -2,7 +2,9 @@
 
 For each population: rayfl through its public path with the default (automatic) placement and MLflow
 tracking on; the same run without MLflow (the cost of tracking is the difference); and the same rounds in
-one process by the ``LocalRuntime`` (the ratio the issue sets: at most 0.65x, ideal 0.5x on 2 cores).
+one process by the ``LocalRuntime`` (the ratio the issue sets: at most 0.65x, ideal 0.5x on 2 cores); and
+(``split``) two such processes with half the clients each, side by side: the same work on two cores with no
+engine, what this machine allows an engine at best.
 Steady round = median of rounds 2..end, training and evaluation of every client included; peak memory =
 summed USS of the whole process tree (sampled every 0.2 s). Each measurement is its own fresh process.
 
@@ -16,6 +18,7 @@ Data: the real MNIST test set for 1,000 clients (10 images each); for 10,000 cli
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -66,19 +69,38 @@ print("RESULT " + json.dumps({"stamps": stamps, "startup": stamps[0] - T0}), flu
 
 
 def measure(mode: str, values: dict, timeout: float) -> dict:
+    """One mode's steady round, peak memory and time to its first round. ``split``: two ``local`` processes
+    with half the clients each, started together and never talking: what two cores give this work with no
+    engine at all (its round: the slower half's; its memory: both)."""
+    if mode == "split":
+        half = {**values, "clients": values["clients"] // 2}
+        a, b = run_workers("local", [half, half], timeout)
+        return {"steady": max(a["steady"], b["steady"]), "peak": a["peak"] + b["peak"],
+                "startup": max(a["startup"], b["startup"]), "wall": max(a["wall"], b["wall"])}
+    return run_workers(mode, [values], timeout)[0]
+
+
+def run_workers(mode: str, each: list[dict], timeout: float) -> list[dict]:
+    """Worker processes started together, one per ``values`` in ``each``, each in a fresh directory."""
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
-    with tempfile.TemporaryDirectory() as cwd:
-        values = {**values, "tracking_uri": f"sqlite:///{cwd}/mlflow.db"}
-        t0 = time.time()
-        proc = subprocess.Popen([sys.executable, "-c", WORKER, mode, json.dumps(values)], cwd=cwd, env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        with PeakMemory(proc.pid) as mem:
+    with contextlib.ExitStack() as stack:
+        started = []
+        for values in each:
+            cwd = stack.enter_context(tempfile.TemporaryDirectory())
+            values = {**values, "tracking_uri": f"sqlite:///{cwd}/mlflow.db"}
+            proc = subprocess.Popen([sys.executable, "-c", WORKER, mode, json.dumps(values)], cwd=cwd, env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            started.append((proc, stack.enter_context(PeakMemory(proc.pid)), time.time()))
+        results = []
+        for proc, mem, t0 in started:
             out, _ = proc.communicate(timeout=timeout)
-    lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise SystemExit(f"{mode} failed (exit {proc.returncode}):\n" + "\n".join(out.splitlines()[-15:]))
-    r = json.loads(lines[-1][len("RESULT "):])
-    return {"steady": steady(r["stamps"]), "peak": mem.peak, "startup": r["startup"], "wall": time.time() - t0}
+            wall = time.time() - t0  # mem.peak only grows: read it while its sampler still runs
+            lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+            if proc.returncode != 0 or not lines:
+                raise SystemExit(f"{mode} failed (exit {proc.returncode}):\n" + "\n".join(out.splitlines()[-15:]))
+            r = json.loads(lines[-1][len("RESULT "):])
+            results.append({"steady": steady(r["stamps"]), "peak": mem.peak, "startup": r["startup"], "wall": wall})
+    return results
 
 
 def main(argv=None) -> int:
@@ -117,6 +139,9 @@ def main(argv=None) -> int:
 
         if "rayfl" in modes and "local" in modes:
             print(f"{k} clients: rayfl/LocalRuntime = {ratios('rayfl', 'local')}")
+        if "split" in modes and "local" in modes:
+            print(f"{k} clients: split/LocalRuntime = {ratios('split', 'local')} (two cores with no engine: the "
+                  "ceiling on this machine)")
         if "rayfl" in modes and "no-mlflow" in modes:
             print(f"{k} clients: rayfl/no-MLflow = {ratios('rayfl', 'no-mlflow')} (tracking's cost: the excess over 1)")
     return 0
