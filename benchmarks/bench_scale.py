@@ -1,7 +1,8 @@
 """rayfl at scale on one box: 1,000 clients (participation 0.1) and 10,000 clients (participation 0.01).
 
 For each population: rayfl through its public path with the default (automatic) placement and MLflow
-tracking on; the same run without MLflow (the cost of tracking is the difference); and the same rounds in
+tracking on (and the CPU its tracking thread logged per round, ``tracking_cpu_seconds``); the same run
+without MLflow (the cost of tracking is the difference, within this machine's noise); the same rounds in
 one process by the ``LocalRuntime`` (the ratio the issue sets: at most 0.65x, ideal 0.5x on 2 cores); and
 (``split``) two such processes with half the clients each, side by side: the same work on two cores with no
 engine, what this machine allows an engine at best.
@@ -43,7 +44,7 @@ mode, values = sys.argv[1], json.loads(sys.argv[2])
 from rayfl.config import make_config
 from rayfl.experiment import prepare
 prepared = prepare(make_config(None, values))
-stamps = []
+stamps, tracking_cpu = [], []
 if mode == "local":
     import torch
     from rayfl.loop import Callback, Loop
@@ -62,9 +63,13 @@ else:
     if mode == "rayfl":
         tracking = {"tracking_uri": values["tracking_uri"], "run_name": "scale",
                     "experiment_id": ensure_experiment(values["tracking_uri"], "bench-scale")}
-    launch(prepared, tracking, on_round=lambda rec: stamps.append(rec["time"]))
+    out = launch(prepared, tracking, on_round=lambda rec: stamps.append(rec["time"]))
     shutdown_ray()
-print("RESULT " + json.dumps({"stamps": stamps, "startup": stamps[0] - T0}), flush=True)
+    if tracking:  # the writer's CPU per round, as the run logged it
+        from mlflow.tracking import MlflowClient
+        history = MlflowClient(values["tracking_uri"]).get_metric_history(out["run_id"], "tracking_cpu_seconds")
+        tracking_cpu = [m.value for m in sorted(history, key=lambda m: m.step)]
+print("RESULT " + json.dumps({"stamps": stamps, "startup": stamps[0] - T0, "tracking_cpu": tracking_cpu}), flush=True)
 '''
 
 
@@ -99,7 +104,9 @@ def run_workers(mode: str, each: list[dict], timeout: float) -> list[dict]:
             if proc.returncode != 0 or not lines:
                 raise SystemExit(f"{mode} failed (exit {proc.returncode}):\n" + "\n".join(out.splitlines()[-15:]))
             r = json.loads(lines[-1][len("RESULT "):])
-            results.append({"steady": steady(r["stamps"]), "peak": mem.peak, "startup": r["startup"], "wall": wall})
+            cpu = r["tracking_cpu"][1:]  # rounds 2..end, as the steady round
+            results.append({"steady": steady(r["stamps"]), "peak": mem.peak, "startup": r["startup"], "wall": wall,
+                            "tracking_cpu": statistics.median(cpu) if cpu else None})
     return results
 
 
@@ -128,9 +135,12 @@ def main(argv=None) -> int:
                 for mode in modes:
                     r = measure(mode, values, args.timeout)
                     rows.setdefault((k, mode), []).append(r)
+                    cpu = r.get("tracking_cpu")
+                    tracked = (f"  tracking CPU {cpu * 1000:.1f} ms/round ({cpu / r['steady']:.0%} of a round)"
+                               if cpu is not None else "")
                     print(f"rep {rep + 1} {k:6d} clients  {mode:9s}  {r['steady']:.3f} s/round  peak "
-                          f"{r['peak'] / 2**30:.2f} GiB  first round after {r['startup']:.1f} s  wall {r['wall']:.0f} s",
-                          flush=True)
+                          f"{r['peak'] / 2**30:.2f} GiB  first round after {r['startup']:.1f} s  wall {r['wall']:.0f} s"
+                          f"{tracked}", flush=True)
     print()
     for k in args.clients:
         def ratios(a: str, b: str) -> str:

@@ -10,10 +10,11 @@ set of one-point charts), final weights, plots, and whatever the algorithm keeps
 
 Everything, from importing MLflow and opening the store and the experiment to creating the run, is done by
 one background thread (:class:`Writer`): a driver starts it while its client actors start, the run exists
-before the first round, and no round waits on the tracking store after that. The run is closed only after
-the writer has drained its queue, when the run ends and when it fails, so nothing queued is lost. A store
-that fails ends the run at the next round; a checkpoint waits for the queue; a process killed outright loses
-what was queued.
+before the first round, and no round waits on the tracking store after that; what the thread costs is
+logged with each round (``tracking_cpu_seconds``: its CPU time since the round before). The run is closed
+only after the writer has drained its queue, when the run ends and when it fails, so nothing queued is
+lost. A store that fails ends the run at the next round; a checkpoint waits for the queue; a process killed
+outright loses what was queued.
 """
 
 from __future__ import annotations
@@ -107,6 +108,7 @@ class Writer:
     whenever no job came for ``every`` seconds, and before a flush completes (sending what jobs batched)."""
 
     def __init__(self, idle: Callable[[], None] = lambda: None, every: float = 1.0):
+        self.cpu_seconds = 0.0  # CPU time this thread has spent on jobs: what tracking costs the run
         self._jobs: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
         self._reported = False
@@ -133,10 +135,12 @@ class Writer:
 
     def _run(self, job: Callable[[], None]) -> None:
         if self._error is None:
+            t0 = time.thread_time()
             try:
                 job()
             except BaseException as e:  # noqa: BLE001 - kept (every later job skipped) and raised once
                 self._error = e
+            self.cpu_seconds += time.thread_time() - t0
 
     def check(self) -> None:
         """Raise the first error of a job, once, without waiting for the queue."""
@@ -173,6 +177,7 @@ class MlflowTracker(Callback):
         self.writer: Writer | None = None
         self._pending: list = []  # metrics waiting for the writer's next batch
         self._sent = 0.0
+        self._cpu_mark = 0.0  # the writer's cpu_seconds when the last round's metrics were made
         self.algo = ""
         self._client = None
         self._tmp = tempfile.mkdtemp(prefix="rayfl-artifacts-")
@@ -299,6 +304,7 @@ class MlflowTracker(Callback):
 
         self._submit(begin)
         self.writer.flush()
+        self._cpu_mark = self.writer.cpu_seconds  # rounds are charged from here: start-up is not tracking's
 
     def on_setup(self, loop) -> None:
         if loop.setup_metrics:
@@ -312,7 +318,9 @@ class MlflowTracker(Callback):
         arrays = loop.server.round_artifacts(step)
 
         def job():
-            values = dict(metrics)
+            # the writer's CPU since the previous round's job began (that job and the batches sent since)
+            values = {**metrics, "tracking_cpu_seconds": self.writer.cpu_seconds - self._cpu_mark}
+            self._cpu_mark = self.writer.cpu_seconds
             if per_client:
                 self._log_file(f"round_{step + 1:04d}.csv", lambda p: write_client_table(p, step + 1, per_client),
                                "results/clients")

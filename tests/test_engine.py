@@ -306,3 +306,35 @@ def test_the_writer_yields_the_cpu_once_the_store_is_open(tmp_path):
     tracker.writer.close()
     mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     assert seen == [min(19, mine + tracking.WRITER_NICER)] and tracking.WRITER_NICER > 0
+
+
+def test_the_writer_counts_the_cpu_of_its_jobs_not_their_waits():
+    """``Writer.cpu_seconds`` (logged as tracking_cpu_seconds) is CPU time: a job that computes for 0.2 s of
+    CPU counts, one that sleeps 0.3 s does not."""
+    import time
+
+    from rayfl.tracking import Writer
+
+    def compute():
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < 0.2:
+            pass
+
+    writer = Writer()
+    writer.submit(compute)
+    writer.submit(lambda: time.sleep(0.3))
+    writer.flush()
+    writer.close()
+    assert 0.2 <= writer.cpu_seconds < 0.28
+
+
+def test_each_round_logs_what_tracking_cost_it(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    p = prepare(tiny(algo="fedavg", clients=4, rounds=3))
+    tracker = MlflowTracker(uri, experiment="t")
+    Loop(p, LocalRuntime(p), [tracker]).run()
+    history = MlflowClient(uri).get_metric_history(tracker.run_id, "tracking_cpu_seconds")
+    assert sorted(m.step for m in history) == [1, 2, 3]
+    values = [m.value for m in sorted(history, key=lambda m: m.step)]
+    assert values[0] >= 0 and all(v > 0 for v in values[1:])  # rounds 2, 3: the previous round's table
+    assert sum(values) < 2.0  # the store's opening (seconds of imports) is not charged to the rounds
