@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -19,21 +18,8 @@ import torch
 from rayfl import training
 from rayfl.algorithms.base import ClientLogic
 from rayfl.client import Bench, Client, TrainSettings, evaluate_together
+from rayfl.experiment import ModelSpec
 from rayfl.reduce import Partial, accumulate
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """How to build the experiment's network anywhere: name and the dataset's shape."""
-
-    name: str
-    input_shape: tuple
-    num_outputs: int
-
-    def build(self):
-        from rayfl.models import build_model
-
-        return build_model(self.name, self.input_shape, self.num_outputs)
 
 
 class ClientHost:

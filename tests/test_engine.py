@@ -338,3 +338,31 @@ def test_each_round_logs_what_tracking_cost_it(tmp_path):
     values = [m.value for m in sorted(history, key=lambda m: m.step)]
     assert values[0] >= 0 and all(v > 0 for v in values[1:])  # rounds 2, 3: the previous round's table
     assert sum(values) < 2.0  # the store's opening (seconds of imports) is not charged to the rounds
+
+
+DRIVER_SIDE = r"""
+import pickle, sys
+from rayfl.actors.driver import DriverActor
+from rayfl.actors.runtime import RayRuntime
+from rayfl.inprocess import execute
+from rayfl.loop import Loop
+from rayfl.tracking import MlflowTracker
+p = pickle.loads(sys.stdin.buffer.read())
+p.algorithm.Server(p.algorithm.make_params(p.cfg.params), p.info, lambda v: v, list, None, p.initial)
+p.cfg.to_flat()  # the tracker's params
+print(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")))
+"""
+
+
+@pytest.mark.parametrize("algo,needs_torch", [("fedavg", False), ("fedfomo", False), ("federico", True)])
+def test_a_driver_imports_torch_only_for_an_algorithm_whose_module_needs_it(algo, needs_torch):
+    """What a driver process reads and runs (the prepared experiment, the loop, the server, the tracker's
+    params) imports no torch for FedAvg: the import took about 2 s of its start-up, before its MLflow work."""
+    import pickle
+    import subprocess
+    import sys
+
+    blob = pickle.dumps(prepare(tiny(algo=algo, clients=6)))
+    out = subprocess.run([sys.executable, "-c", DRIVER_SIDE], input=blob, capture_output=True, check=True)
+    imported = out.stdout.decode().strip()
+    assert (imported != "[]") == needs_torch, imported
