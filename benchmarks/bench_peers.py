@@ -88,6 +88,28 @@ def command(system: str, workload: str, data_root: str, rounds: int, args) -> li
     raise SystemExit(f"unknown system {system!r}")
 
 
+class RunFailed(Exception):
+    def __init__(self, returncode: int, output: str):
+        super().__init__(f"exit {returncode}")
+        self.output = output
+
+
+def run_retried(system: str, workload: str, data_root: str, rounds: int, args) -> dict:
+    """One run; a run that fails is said so (its whole output kept in a file) and run once more, so that one
+    crash does not end a sitting (pfl's torchrun ranks have died of SIGABRT here now and then)."""
+    for attempt in (1, 2):
+        try:
+            return run_one(system, workload, data_root, rounds, args)
+        except RunFailed as e:
+            with tempfile.NamedTemporaryFile("w", prefix=f"{system}-{workload}-", suffix=".log", delete=False) as f:
+                f.write(e.output)
+            tail = "\n".join("  " + ln for ln in e.output.splitlines()[-6:])
+            print(f"{system} on {workload} failed ({e}; output in {f.name}):\n{tail}", flush=True)
+            if attempt == 2:
+                raise SystemExit(f"{system} on {workload} failed twice")
+            print(f"{system} on {workload}: run again", flush=True)
+
+
 def run_one(system: str, workload: str, data_root: str, rounds: int, args) -> dict:
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
     with tempfile.TemporaryDirectory() as cwd:
@@ -97,8 +119,7 @@ def run_one(system: str, workload: str, data_root: str, rounds: int, args) -> di
             out, _ = proc.communicate(timeout=args.timeout)
     lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
-        tail = "\n".join(out.splitlines()[-15:])
-        raise SystemExit(f"{system} on {workload} failed (exit {proc.returncode}):\n{tail}")
+        raise RunFailed(proc.returncode, out)
     result = json.loads(lines[-1][len("RESULT "):])
     return {"steady": steady(result["stamps"]), "peak": mem.peak, "startup": result.get("startup")}
 
@@ -124,7 +145,7 @@ def main(argv=None) -> int:
         for rep in range(args.reps):  # interleaved: every system once per repetition
             for workload in args.workload:
                 for system in systems:
-                    r = run_one(system, workload, data_root, args.rounds, args)
+                    r = run_retried(system, workload, data_root, args.rounds, args)
                     results.setdefault((workload, system), []).append(r)
                     print(f"rep {rep + 1} {workload:7s} {system:6s} {r['steady']:.3f} s/round  "
                           f"peak {r['peak'] / 2**30:.2f} GiB" +

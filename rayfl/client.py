@@ -200,18 +200,16 @@ class Client:
         x, y = self.splits[split]
         return training.evaluate(model, x, y, self.settings.task)[0]
 
-    SMALL_EVAL = 1024  # splits with at most this many samples in all are evaluated in one forward pass
-
     def evaluate(self, model: nn.Module | Callable, splits=("val", "test")) -> dict:
         """Loss and accuracy of ``model`` on each split, with split sizes: the loop's evaluation record."""
-        if self.small_eval(splits):
+        if self.small_eval(model, splits):
             return evaluate_together(model, [self], splits)[0]
         results = [training.evaluate(model, *self.splits[split], self.settings.task) for split in splits]
         return _record(splits, [self.n(split) for split in splits], results)
 
-    def small_eval(self, splits=("val", "test")) -> bool:
-        """Whether ``evaluate`` joins these splits into one forward pass (they are small)."""
-        return 1 < len(splits) and sum(self.n(split) for split in splits) <= self.SMALL_EVAL
+    def small_eval(self, model: nn.Module | Callable, splits=("val", "test")) -> bool:
+        """Whether ``evaluate`` joins these splits into one forward pass of ``model`` (they fit in one)."""
+        return 1 < len(splits) and sum(self.n(split) for split in splits) <= eval_pass(model, self.splits[splits[0]][0])
 
     def _joined(self, splits: tuple) -> tuple:
         """The splits' samples end to end, kept while the splits stay the same tensors."""
@@ -229,21 +227,27 @@ def _record(splits, sizes: list[int], results: list[tuple]) -> dict:
     return out
 
 
-EVAL_BATCH = 4096  # samples per forward pass when several clients are evaluated together
+EVAL_BATCH = 4096  # samples per forward pass when several clients are evaluated together, at most
+
+
+def eval_pass(model: nn.Module | Callable, x: torch.Tensor) -> int:
+    """Samples per forward pass when splits or clients are evaluated together (training.pass_size)."""
+    return training.pass_size(model, x, EVAL_BATCH)
 
 
 def evaluate_together(model: nn.Module, clients: list[Client], splits=("val", "test")) -> list[dict]:
     """``client.evaluate(model, splits)`` for each of several clients with small splits (``small_eval``), in as
-    few forward passes of at most EVAL_BATCH samples as whole clients allow: one model shared by 500
+    few forward passes of at most ``eval_pass`` samples as whole clients allow: one model shared by 500
     clients of a few samples each is one forward pass instead of 500."""
     splits = tuple(splits)
     out: list[dict] = []
+    limit = eval_pass(model, clients[0]._joined(splits)[0]) if clients else 0
     start = 0
     while start < len(clients):
         end, total = start, 0
         while end < len(clients):
             n = clients[end]._joined(splits)[0].shape[0]
-            if end > start and total + n > EVAL_BATCH:
+            if end > start and total + n > limit:
                 break
             total, end = total + n, end + 1
         chunk = clients[start:end]

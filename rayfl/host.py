@@ -114,7 +114,7 @@ class ClientHost:
         groups: dict[int, tuple[Any, list[int]]] = {}
         for i, ((cid, msg), models) in enumerate(zip(items, resolved)):
             weights = self.logic.eval_weights(msg, models)
-            if weights is not None and self.clients[cid].small_eval():
+            if weights is not None:
                 groups.setdefault(id(weights), (weights, []))[1].append(i)
         out: dict[int, dict] = {}
         for weights, members in groups.values():
@@ -122,7 +122,11 @@ class ClientHost:
                 continue  # alone, its own step is as quick
             self.bench.step += 1
             t0 = time.perf_counter()
-            records = evaluate_together(self.bench.model_of(weights), [self.clients[items[i][0]] for i in members])
+            model = self.bench.model_of(weights)
+            members = [i for i in members if self.clients[items[i][0]].small_eval(model)]
+            if len(members) < 2:
+                continue
+            records = evaluate_together(model, [self.clients[items[i][0]] for i in members])
             share = (time.perf_counter() - t0) / len(members)
             for i, rec in zip(members, records):
                 out[i] = {**rec, "seconds": share}

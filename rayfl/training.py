@@ -181,6 +181,45 @@ def train_epochs(model: nn.Module, x: torch.Tensor, y: torch.Tensor, epochs: int
     return float(total) / n if total is not None and n else float("nan")
 
 
+PASS_BYTES = 8 << 20  # on a CPU, an evaluation pass's largest activation is kept within this (see pass_size)
+_LARGEST: dict[tuple, int] = {}  # (model type, parameter shapes, sample shape) -> largest activation per sample
+
+
+def pass_size(model: nn.Module, x: torch.Tensor, limit: int) -> int:
+    """Samples per evaluation forward pass of ``model`` on inputs like ``x``: at most ``limit``, and on a CPU
+    no more than keep the pass's largest activation (input included) within PASS_BYTES. A pass whose
+    activations outgrow the last-level cache costs up to twice as much per sample: on the 32 MiB L3 of the
+    machine rayfl is benchmarked on, LeNet-5 took 25 us a sample in passes of 128 and 51 in passes of 2,048,
+    McMahan's CNN 283 and 506 (``benchmarks/eval_pass.py``), while an MLP's cost stays flat. On a GPU large
+    passes pay: ``limit`` there."""
+    if x.device.type != "cpu" or not isinstance(model, nn.Module):
+        return limit
+    key = (type(model), tuple(tuple(p.shape) for p in model.parameters()), tuple(x.shape[1:]))
+    largest = _LARGEST.get(key)
+    if largest is None:
+        largest = _LARGEST[key] = largest_activation(model, torch.zeros((1, *x.shape[1:]), dtype=x.dtype))
+    return max(1, min(limit, PASS_BYTES // (4 * largest)))
+
+
+@torch.no_grad()
+def largest_activation(model: nn.Module, sample: torch.Tensor) -> int:
+    """Elements per sample of the largest tensor a forward pass of ``sample`` (one sample) makes: its input or
+    any module's output."""
+    sizes = [sample[0].numel()]
+
+    def seen(module, inputs, out):
+        if torch.is_tensor(out):
+            sizes.append(out[0].numel() if out.dim() else 1)
+
+    hooks = [m.register_forward_hook(seen) for m in model.modules()]
+    try:
+        model(sample)
+    finally:
+        for h in hooks:
+            h.remove()
+    return max(sizes)
+
+
 @torch.no_grad()
 def evaluate_small(model: nn.Module, x: torch.Tensor, y: torch.Tensor, sizes: list[int], task: str) -> list[tuple]:
     """:func:`evaluate` of consecutive segments of (x, y) (``sizes`` samples each) in one forward pass: for
@@ -204,12 +243,14 @@ def evaluate_small(model: nn.Module, x: torch.Tensor, y: torch.Tensor, sizes: li
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, task: str, batch_size: int = 1024) -> tuple:
-    """(mean loss, accuracy) on (x, y); accuracy is NaN for regression and for an empty split."""
+def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, task: str, batch_size: int | None = None) -> tuple:
+    """(mean loss, accuracy) on (x, y), in passes of ``batch_size`` (default :func:`pass_size`, at most 1,024);
+    accuracy is NaN for regression and for an empty split."""
     n = x.shape[0]
     if n == 0:
         return float("nan"), float("nan")
     set_mode(model, training=False)
+    batch_size = batch_size or pass_size(model, x, 1024)
     loss_fn = loss_fn_for(task)
     total = torch.zeros((), dtype=torch.float64, device=x.device)
     correct = torch.zeros((), dtype=torch.int64, device=x.device)

@@ -250,16 +250,54 @@ def test_small_splits_evaluated_in_one_pass_equal_separate_evaluations():
         assert rec["val_loss"] != rec["test_loss"]  # the segments are told apart
 
 
-@pytest.mark.parametrize("batch", [4096, 20])  # all clients in one forward pass; a few clients per pass
-def test_clients_evaluated_together_equal_their_own_evaluations(monkeypatch, batch):
+def test_an_evaluation_pass_keeps_its_largest_activation_within_the_budget():
+    """pass_size: the largest tensor of a one-sample forward (input included), counted by hand, bounds the
+    samples of a CPU pass; the limit bounds it too, and other devices get the limit."""
+    from rayfl import training
+
+    lenet = build_model("lenet5", (1, 28, 28), 10)  # conv 5x5 of 28x28 to 6 channels: 6*24*24 per sample
+    mlp = build_model("mlp-784-200", (1, 28, 28), 10)  # the input, 784, is larger than the hidden 200
+    x = torch.zeros(3, 1, 28, 28)
+    assert training.largest_activation(lenet, x[:1]) == 6 * 24 * 24
+    assert training.largest_activation(mlp, x[:1]) == 784
+    assert training.largest_activation(torch.nn.Linear(100, 5), torch.zeros(1, 100)) == 100  # the input itself
+    assert training.pass_size(lenet, x, 4096) == (8 << 20) // (4 * 3456) == 606
+    assert training.pass_size(mlp, x, 4096) == (8 << 20) // (4 * 784) == 2674
+    assert training.pass_size(mlp, x, 1024) == 1024
+    assert training.pass_size(lenet, torch.zeros(3, 1, 28, 28, device="meta"), 4096) == 4096
+
+
+def test_evaluation_passes_follow_the_pass_size_and_equal_one_pass(monkeypatch):
+    """training.evaluate's default passes are pass_size samples each; the result is that of a single pass."""
+    from rayfl import training
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    x, y = torch.randn(30, 3), torch.randint(0, 4, (30,))
+    whole = training.evaluate(model, x, y, "classification", batch_size=30)
+    monkeypatch.setattr(training, "PASS_BYTES", 4 * 8 * 7)  # 8 floats a sample (the hidden layer): 7 a pass
+    passes = []
+    hook = model.register_forward_hook(lambda m, inp, out: passes.append(inp[0].shape[0]))
+    chunked = training.evaluate(model, x, y, "classification")
+    hook.remove()
+    assert passes == [7, 7, 7, 7, 2]
+    np.testing.assert_allclose(chunked, whole, rtol=1e-6)
+
+
+# all clients in one forward pass; a few clients per pass, bounded by the count or by the activations' bytes
+@pytest.mark.parametrize("batch, pass_bytes", [(4096, 8 << 20), (20, 8 << 20), (4096, 4 * 8 * 20)])
+def test_clients_evaluated_together_equal_their_own_evaluations(monkeypatch, batch, pass_bytes):
     """evaluate_together (one model, several clients' small splits in few forward passes) gives each client
     the record of client.evaluate alone: classification and regression, a client with an empty split."""
     import torch
 
     from rayfl import client as client_mod
+    from rayfl import training
     from rayfl.client import Client, TrainSettings, evaluate_together
 
     monkeypatch.setattr(client_mod, "EVAL_BATCH", batch)
+    monkeypatch.setattr(training, "PASS_BYTES", pass_bytes)  # the hidden layer, 8 floats a sample, is the largest
+    batch = min(batch, pass_bytes // (4 * 8))
     torch.manual_seed(1)
     for task, out_dim, y_of in (("classification", 4, lambda n: torch.randint(0, 4, (n,))),
                                 ("regression", 2, lambda n: torch.randn(n, 2))):
@@ -281,10 +319,12 @@ def test_clients_evaluated_together_equal_their_own_evaluations(monkeypatch, bat
             assert rec["n_val"] == client.n("val")
 
 
-def test_a_host_evaluates_clients_sharing_the_global_model_together():
+def test_a_host_evaluates_clients_sharing_the_global_model_together(monkeypatch):
     """FedAvg's clients (eval_weights: the global model) are evaluated together by their host, with the
-    records their own step would give; a logic with its own step_evaluate keeps it."""
+    records their own step would give, unless their splits do not fit one pass; a logic with its own
+    step_evaluate keeps it."""
     from conftest import tiny
+    from rayfl import training
     from rayfl.algorithms.baselines import FedAvgClient
     from rayfl.experiment import prepare
     from rayfl.runtime import LocalRuntime
@@ -294,6 +334,10 @@ def test_a_host_evaluates_clients_sharing_the_global_model_together():
     glob = p.initial + np.float32(0.01)
     items = [(c, {"models": {"global": glob}}) for c in host.clients]
     assert set(host._evaluate_together(items, [{"global": glob}] * len(items))) == set(range(len(items)))
+    with monkeypatch.context() as m:  # one sample a pass: no client's splits fit, each is evaluated alone
+        sample = host.clients[items[0][0]].splits["val"][0][:1]
+        m.setattr(training, "PASS_BYTES", 4 * training.largest_activation(host.bench.model_of(glob), sample))
+        assert host._evaluate_together(items, [{"global": glob}] * len(items)) == {}
     ups, _ = host.run("evaluate", items)
     for (cid, _), up in zip(items, ups):
         alone = host.clients[cid].evaluate(host.clients[cid].model_of(glob))

@@ -206,7 +206,7 @@ def test_paper_defaults():
 
 
 def test_teacher_logits_cover_clients_larger_than_one_chunk():
-    """The teacher's logits are computed in chunks of 1024 samples: a larger client gets all of them."""
+    """The teacher's logits are computed in passes (at most 1,024 samples each): a larger client gets all of them."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1100, 2, generator=g)
     y = (x[:, 0] > 0).long()

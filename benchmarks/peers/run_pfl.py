@@ -86,6 +86,8 @@ def main() -> None:
         callbacks=[Stamp()])
     if int(os.environ.get("RANK", 0)) == 0:
         print("RESULT " + json.dumps({"stamps": stamps}), flush=True)
+    if torch.distributed.is_initialized():  # left to exit, gloo's threads sometimes abort a rank (SIGABRT)
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

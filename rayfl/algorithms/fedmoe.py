@@ -127,10 +127,11 @@ def make_gate(client, vec: np.ndarray | None = None) -> nn.Module:
 
 
 @torch.no_grad()
-def nll(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn, batch: int = 1024) -> float:
+def nll(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn, batch: int | None = None) -> float:
     if x.shape[0] == 0:
         return float("nan")
     model.eval()
+    batch = batch or training.pass_size(model, x, 1024)
     total = sum(float(loss_fn(model(x[s:s + batch]), y[s:s + batch])) * min(batch, x.shape[0] - s)
                 for s in range(0, x.shape[0], batch))
     return total / x.shape[0]

@@ -237,7 +237,8 @@ class PersFLClient(FedAvgClient):
         x, y = client.splits["train"]
         with torch.no_grad():
             teacher.eval()
-            t_logits = torch.cat([teacher(x[i:i + 1024]) for i in range(0, x.shape[0], 1024)]) if x.shape[0] \
+            b = training.pass_size(teacher, x, 1024)
+            t_logits = torch.cat([teacher(x[i:i + b]) for i in range(0, x.shape[0], b)]) if x.shape[0] \
                 else torch.zeros(0)
         epochs = p.distill_epochs or s.local_epochs
         best, best_score, best_point, best_loss, grid, lam0 = None, None, None, float("nan"), [], None
