@@ -58,7 +58,7 @@ class Bench:
         self.resident = self.fresh()
         if initial is None:  # no common initial model: a freshly initialised one
             initial = training.to_vector(self.resident)
-        self.initial = torch.as_tensor(np.asarray(initial, dtype=np.float32)).to(device)
+        self.initial = torch.tensor(np.asarray(initial, dtype=np.float32), device=device)  # a copy: Ray's is read-only
         self.spare = self.fresh()
         self.owner: "Client | None" = None
 
