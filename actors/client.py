@@ -30,8 +30,11 @@ class ClientActor:
     def state(self) -> dict:
         return self.host.state()
 
-    def load_state(self, states: dict) -> None:
-        self.host.load_state(states)
+    def save(self, full: bool) -> dict:
+        return self.host.save(full)
+
+    def load_state(self, *states: dict) -> None:
+        self.host.load_state(*states)
 
     def vectors(self) -> dict:
         return self.host.vectors()

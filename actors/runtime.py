@@ -15,7 +15,7 @@ import ray
 from rayfl.actors.client import ClientActor
 from rayfl.actors.handles import resolve
 from rayfl.actors.resources import ActorResources
-from rayfl.runtime import ClientsLost, assign_hosts, gather, group_by_host
+from rayfl.runtime import ClientsLost, SaveChain, assign_hosts, gather, group_by_host
 
 
 def start_client_actors(prepared, x_ref, y_ref, resources: ActorResources, n_actors: int,
@@ -41,6 +41,7 @@ class RayRuntime:
         self.host_of = {c: h for h, block in enumerate(blocks) for c in block}
         self.resources = resources
         self.actors = list(actors)
+        self.saves = SaveChain()
 
     def call(self, step, messages, reduce=None):
         batches = group_by_host(messages, self.host_of)
@@ -69,12 +70,14 @@ class RayRuntime:
     def save_clients(self):
         """One call per actor, not waited for: the results are owned by this process, so they outlive an actor
         that dies afterwards (they stay in the object store of its node)."""
-        return [a.state.remote() for a in self.actors]
+        full = self.saves.next_is_full()
+        return self.saves.add([a.save.remote(full) for a in self.actors], full)
 
     def restore_clients(self, saved):
         with clients_lost():  # a restarted actor that died again, or a snapshot that died with its actor
             self.await_actors()
-            ray.get([a.load_state.remote(ref) for a, ref in zip(self.actors, saved)])
+            ray.get([a.load_state.remote(*SaveChain.of_host(saved, h)) for h, a in enumerate(self.actors)])
+        self.saves.reset(saved)
 
     def await_actors(self, timeout_s: float = 300.0) -> None:
         """Wait while Ray restarts dead actors (a call meanwhile fails with ActorUnavailableError)."""

@@ -43,6 +43,7 @@ class ClientHost:
         self.clients: dict[int, Client] = {}
         self._encoded: dict[int, bytes] = {}  # each client's last state() blob
         self._changed: set[int] = set()  # clients that ran a non-evaluation step since it was made
+        self._unsaved: set[int] = set()  # clients encoded anew since the last save()
         for cid, cd in client_data.items():
             torch.manual_seed(cfg.seed)  # initial weights come from `initial`; this seeds anything else
             client = Client(cid, materialize(x, y, cd, device), None, None, settings, cfg.seed, device, share,
@@ -163,21 +164,41 @@ class ClientHost:
 
     def state(self) -> dict[int, bytes]:
         """Each client's weights, personal state, optimizer and RNGs as plain-data bytes (rayfl.snapshot): for
-        in-memory snapshots and checkpoints; loading them never runs code. Only clients that ran a step other
-        than evaluation since the last call are encoded again (at 1,000 clients a round samples 100)."""
-        for cid in self._changed | (self.clients.keys() - self._encoded.keys()):
+        checkpoints; loading them never runs code."""
+        self._encode()
+        return dict(self._encoded)
+
+    def save(self, full: bool) -> dict[int, bytes]:
+        """For in-memory snapshots (rayfl.runtime.SaveChain): every client's blob (``full``), or only those of
+        the clients encoded anew since the previous save."""
+        self._encode()
+        out = dict(self._encoded) if full else {cid: self._encoded[cid] for cid in self._unsaved}
+        self._unsaved = set()
+        return out
+
+    def _encode(self) -> None:
+        """Encode again only the clients that ran a step other than evaluation since their last blob (at 1,000
+        clients a round samples 100)."""
+        fresh = self._changed | (self.clients.keys() - self._encoded.keys())
+        for cid in fresh:
             c = self.clients[cid]
             self._encoded[cid] = _dump({"model": c.weights(), "state": c.state,
                                         "optimizer": c.optimizer.state_dict() if c.optimizer else None,
                                         "gen": c.gen.get_state(), "rng": c.rng.bit_generator.state})
         self._changed = set()
-        return dict(self._encoded)
+        self._unsaved |= fresh
 
-    def load_state(self, states: dict[int, bytes]) -> None:
+    def load_state(self, *states: dict[int, bytes]) -> None:
+        """Clients back as blobs say; several dicts are a chain of saves, a later blob replacing an earlier one."""
         from rayfl.snapshot import loads
 
         self.bench.release()
-        for cid, blob in states.items():
+        merged: dict[int, bytes] = {}
+        for part in states:
+            merged.update(part)
+        self._changed -= merged.keys()  # each loaded client is now exactly its blob
+        self._unsaved -= merged.keys()
+        for cid, blob in merged.items():
             c = self.clients[cid]
             st = loads(blob, device=self.device)
             c.set_weights(st["model"])

@@ -150,17 +150,20 @@ class Loop:
         metrics = dict(self.server.run_round(stage, step, participants, self.call) or {})
         metrics["round_seconds"] = time.perf_counter() - t0
         metrics["client_call_seconds"] = self.call_seconds
-        snapshot_due = self.cfg.snapshot_every and (step + 1) % self.cfg.snapshot_every == 0
-        t2 = time.perf_counter()
-        # the clients' part of the snapshot, asked for before the evaluation, which leaves every client as
-        # it is: client actors encode their state while this process plans the evaluation
-        saved = self.runtime.save_clients() if snapshot_due else None
-        snapshot_seconds = time.perf_counter() - t2
         per_client: dict[int, dict] = {}
-        if last or step % self.cfg.eval_every == 0:
+        evaluated = last or step % self.cfg.eval_every == 0
+        if evaluated:
             t1 = time.perf_counter()
             per_client = self.evaluate(stage, step)
             metrics["eval_seconds"] = time.perf_counter() - t1
+        snapshot_due = self.cfg.snapshot_every and (step + 1) % self.cfg.snapshot_every == 0
+        t2 = time.perf_counter()
+        # the clients' part of the snapshot, asked for as soon as the evaluation (which leaves every client as
+        # it is) is back: client actors encode their state while this process summarises and reports the
+        # round, instead of holding up the evaluation or the next round's training behind it
+        saved = self.runtime.save_clients() if snapshot_due else None
+        snapshot_seconds = time.perf_counter() - t2
+        if evaluated:
             metrics.update(round_summary(per_client))
             self.last_eval = per_client
         if self.restarts:

@@ -353,8 +353,14 @@ def _ray_up() -> bool:
 
 
 def _ray_processes() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True)
-            if any(n in p.name() for n in ("raylet", "gcs_server", "ray::"))}
+    pids = set()
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if any(n in p.name() for n in ("raylet", "gcs_server", "ray::")):
+                pids.add(p.pid)
+        except psutil.NoSuchProcess:  # exited between the listing and the read: not running
+            pass
+    return pids
 
 
 def test_the_battery_is_large_and_distinct():

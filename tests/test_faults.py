@@ -8,6 +8,7 @@ import os
 import pickle
 import signal
 
+import numpy as np
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
@@ -87,6 +88,64 @@ def test_every_algorithm_replays_to_the_uninterrupted_result(algo):
     assert same(client_states(loop), client_states(full))
     assert same(snapshot.loads(snapshot.dumps(loop.server.state_dict())),
                 snapshot.loads(snapshot.dumps(full.server.state_dict())))
+
+
+@pytest.mark.parametrize("full_every", [1, 2])  # every save full; a full save, then one of the clients changed
+@pytest.mark.parametrize("algo", ["fedfomo", "local"])
+def test_replays_are_exact_whatever_the_chain_of_saves(algo, full_every, monkeypatch):
+    """Snapshots as chains of saves (rayfl.runtime.SaveChain) restore what a full save would: faults land
+    on full and on partial saves."""
+    from rayfl import runtime
+
+    monkeypatch.setattr(runtime, "SAVE_FULL_EVERY", full_every)
+    p = prepare(cfg_for(algo))
+    full = Loop(p, FaultyRuntime(p)).run()
+    n = full.runtime.calls
+    loop = Loop(p, FaultyRuntime(p, fail_at={2, n // 2 + 2, n + 2})).run()
+    assert loop.restarts == 3
+    assert_same_results(loop.history, full.history)
+    assert same(client_states(loop), client_states(full))
+
+
+def test_a_host_saves_the_clients_encoded_anew_and_loads_a_chain_of_saves_in_order():
+    """save(False) holds just the clients that trained since the save before, even when a checkpoint's
+    state() encoded them in between; loading saves oldest first gives each client its latest blob."""
+    p = prepare(cfg_for("local"))
+    rt = LocalRuntime(p, n_hosts=1)
+    host = rt.hosts[0]
+    base = host.save(True)
+    assert set(base) == set(host.clients) == {0, 1, 2, 3}
+    rt.call("train", {0: {}, 2: {}})
+    first = host.save(False)
+    assert set(first) == {0, 2}
+    rt.call("train", {1: {}})
+    host.state()  # a checkpoint
+    second = host.save(False)
+    assert set(second) == {1} and host.save(False) == {}
+    latest = host.state()
+    for checkpoint in (False, True):  # moves on (encoded by a checkpoint or not); the chain takes it back
+        rt.call("train", {0: {}, 3: {}})
+        if checkpoint:
+            host.state()
+        host.load_state(base, first, second)
+        assert host.save(False) == {}  # what was loaded is what the chain holds
+        assert host.state() == latest == {**base, **first, **second}
+    for cid in (0, 3):
+        np.testing.assert_array_equal(np.asarray(host.clients[cid].weights()), snapshot.loads(latest[cid])["model"])
+
+
+def test_a_restored_snapshot_is_the_chain_the_next_saves_extend():
+    """After a restore, saves go on from the restored snapshot, not from saves made after it (which may have
+    died with their actor)."""
+    p = prepare(cfg_for("local"))
+    rt = LocalRuntime(p, n_hosts=2)
+    first = rt.save_clients()
+    rt.call("train", {0: {}, 3: {}})
+    rt.save_clients()
+    rt.restore_clients(first)
+    rt.call("train", {1: {}})
+    after = rt.save_clients()
+    assert after[:-1] == first and [set(part) for part in after[-1]] == [{1}, set()]
 
 
 class Crash(Callback):
