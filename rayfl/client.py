@@ -202,14 +202,15 @@ class Client:
 
     def evaluate(self, model: nn.Module | Callable, splits=("val", "test")) -> dict:
         """Loss and accuracy of ``model`` on each split, with split sizes: the loop's evaluation record."""
-        if self.small_eval(model, splits):
+        if self.small_eval(eval_pass(model, self.splits[splits[0]][0]), splits):
             return evaluate_together(model, [self], splits)[0]
         results = [training.evaluate(model, *self.splits[split], self.settings.task) for split in splits]
         return _record(splits, [self.n(split) for split in splits], results)
 
-    def small_eval(self, model: nn.Module | Callable, splits=("val", "test")) -> bool:
-        """Whether ``evaluate`` joins these splits into one forward pass of ``model`` (they fit in one)."""
-        return 1 < len(splits) and sum(self.n(split) for split in splits) <= eval_pass(model, self.splits[splits[0]][0])
+    def small_eval(self, limit: int, splits=("val", "test")) -> bool:
+        """Whether ``evaluate`` joins these splits into one forward pass (they fit in one of ``limit`` samples,
+        ``eval_pass``)."""
+        return 1 < len(splits) and sum(self.n(split) for split in splits) <= limit
 
     def _joined(self, splits: tuple) -> tuple:
         """The splits' samples end to end, kept while the splits stay the same tensors."""

@@ -17,7 +17,7 @@ import torch
 
 from rayfl import training
 from rayfl.algorithms.base import ClientLogic
-from rayfl.client import Bench, Client, TrainSettings, evaluate_together
+from rayfl.client import Bench, Client, TrainSettings, eval_pass, evaluate_together
 from rayfl.experiment import ModelSpec
 from rayfl.reduce import Partial, accumulate
 
@@ -124,7 +124,8 @@ class ClientHost:
             self.bench.step += 1
             t0 = time.perf_counter()
             model = self.bench.model_of(weights)
-            members = [i for i in members if self.clients[items[i][0]].small_eval(model)]
+            limit = eval_pass(model, self.clients[items[members[0]][0]].splits["val"][0])
+            members = [i for i in members if self.clients[items[i][0]].small_eval(limit)]
             if len(members) < 2:
                 continue
             records = evaluate_together(model, [self.clients[items[i][0]] for i in members])

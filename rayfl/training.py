@@ -194,11 +194,19 @@ def pass_size(model: nn.Module, x: torch.Tensor, limit: int) -> int:
     passes pay: ``limit`` there."""
     if x.device.type != "cpu" or not isinstance(model, nn.Module):
         return limit
-    key = (type(model), tuple(tuple(p.shape) for p in model.parameters()), tuple(x.shape[1:]))
-    largest = _LARGEST.get(key)
-    if largest is None:
-        largest = _LARGEST[key] = largest_activation(model, torch.zeros((1, *x.shape[1:]), dtype=x.dtype))
-    return max(1, min(limit, PASS_BYTES // (4 * largest)))
+    return max(1, min(limit, PASS_BYTES // (4 * _largest(model, tuple(x.shape[1:]), x.dtype))))
+
+
+def _largest(model: nn.Module, shape: tuple, dtype) -> int:
+    """largest_activation for samples of ``shape``, kept by the module (a host asks once per client) and by
+    architecture (FedeRiCo builds a mixture per client)."""
+    known = model.__dict__.setdefault("_rayfl_largest", {})
+    if shape not in known:
+        key = (type(model), tuple(tuple(p.shape) for p in model.parameters()), shape)
+        if key not in _LARGEST:
+            _LARGEST[key] = largest_activation(model, torch.zeros((1, *shape), dtype=dtype))
+        known[shape] = _LARGEST[key]
+    return known[shape]
 
 
 @torch.no_grad()
