@@ -158,9 +158,9 @@ class Loop:
             metrics["eval_seconds"] = time.perf_counter() - t1
         snapshot_due = self.cfg.snapshot_every and (step + 1) % self.cfg.snapshot_every == 0
         t2 = time.perf_counter()
-        # the clients' part of the snapshot, asked for as soon as the evaluation (which leaves every client as
-        # it is) is back: client actors encode their state while this process summarises and reports the
-        # round, instead of holding up the evaluation or the next round's training behind it
+        # the clients' part of the snapshot, asked for once the evaluation (which leaves every client as it is)
+        # is back, so that the evaluation does not wait behind it: client actors encode while this process
+        # summarises and reports the round
         saved = self.runtime.save_clients() if snapshot_due else None
         snapshot_seconds = time.perf_counter() - t2
         if evaluated:
