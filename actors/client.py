@@ -22,8 +22,10 @@ class ClientActor:
                                device=device, share=self.batcher.share, resolve=resolve, holdout=holdout)
         self.batcher.flush()
 
-    def run(self, step: str, items: list, reduce=None) -> tuple:
-        out = self.host.run(step, items, reduce)
+    def run(self, step: str, packed: tuple, reduce=None) -> tuple:
+        from rayfl.runtime import unpack
+
+        out = self.host.run(step, unpack(packed), reduce)
         self.batcher.flush()  # one object for every vector this call's clients shared
         return out
 

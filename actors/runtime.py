@@ -15,7 +15,7 @@ import ray
 from rayfl.actors.client import ClientActor
 from rayfl.actors.handles import resolve
 from rayfl.actors.resources import ActorResources
-from rayfl.runtime import ClientsLost, SaveChain, assign_hosts, gather, group_by_host
+from rayfl.runtime import ClientsLost, Pending, SaveChain, assign_hosts, gather, group_by_host, pack
 
 
 def start_client_actors(prepared, x_ref, y_ref, resources: ActorResources, n_actors: int,
@@ -35,6 +35,8 @@ def start_client_actors(prepared, x_ref, y_ref, resources: ActorResources, n_act
 
 
 class RayRuntime:
+    pipelined = True  # the clients run the next round's first call while the driver reports a round
+
     def __init__(self, prepared, actors: list, resources: ActorResources):
         """Over client actors from :func:`start_client_actors` (for the same ``prepared``)."""
         blocks = assign_hosts(prepared.cfg.clients, len(actors))
@@ -44,11 +46,18 @@ class RayRuntime:
         self.saves = SaveChain()
 
     def call(self, step, messages, reduce=None):
+        return self.submit(step, messages, reduce).result()
+
+    def submit(self, step, messages, reduce=None):
         batches = group_by_host(messages, self.host_of)
-        refs = [self.actors[h].run.remote(step, items, reduce) for h, items in batches.items()]
-        with clients_lost():
-            results = ray.get(refs)
-        return gather(batches, results, reduce)
+        refs = [self.actors[h].run.remote(step, pack(items), reduce) for h, items in batches.items()]
+
+        def wait():
+            with clients_lost():
+                results = ray.get(refs)
+            return gather(batches, results, reduce)
+
+        return Pending(wait)
 
     def put(self, obj):
         return ray.put(obj)

@@ -85,7 +85,9 @@ class ClientHost:
         method = getattr(self.logic, f"step_{step}", None)
         if method is None:
             raise ValueError(f"{type(self.logic).__module__} has no client step {step!r}")
-        resolved = self._resolve_models([msg.get("models", {}) for _, msg in items])
+        distinct = list({id(msg): msg for _, msg in items}.values())  # a message sent to many clients: once
+        models_of = dict(zip(map(id, distinct), self._resolve_models([m.get("models", {}) for m in distinct])))
+        resolved = [models_of[id(msg)] for _, msg in items]
         if step != "evaluate":  # evaluation leaves a client as it was (ClientLogic.step_evaluate)
             self._changed.update(cid for cid, _ in items)
         uploads, partial = [], {}

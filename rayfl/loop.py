@@ -3,7 +3,8 @@
 It owns what no algorithm should write again: participant sampling, dispatch with timing, evaluation
 of every client's personalized model on its own test split, the summary across clients, callbacks
 (MLflow, Tune, progress), checkpoints and resuming. The final round is what is reported, never the
-best round on test.
+best round on test. Under Ray a round is reported while the clients run the next round's first call
+(:meth:`Loop.finish_round`): the driver's summary and logging no longer sit between two rounds.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class RoundRecord:
     participants: list[int]
     metrics: dict[str, float]  # the algorithm's own, the summary across clients, timings
     per_client: dict[int, dict] = field(default_factory=dict)  # evaluation records, when evaluated
+    artifacts: dict[str, Any] = field(default_factory=dict)  # the server's round_artifacts, as the round left them
 
 
 def round_event(loop: "Loop", record: RoundRecord) -> dict:
@@ -69,7 +71,8 @@ class Loop:
         self.last_eval: dict[int, dict] = {}
         self.setup_metrics: dict = {}
         self.start_step = 0
-        self.call_seconds = 0.0
+        self.call_seconds = self.reporting_seconds = 0.0
+        self.unfinished: tuple | None = None  # (record, evaluation, when asked, snapshot) of a round not yet reported
         self.stop_requested = False
         self.setup_done = self.setup_reported = False
         self.reported = -1  # the last round the callbacks have seen (replayed rounds are not shown twice)
@@ -79,9 +82,16 @@ class Loop:
 
     # --- pieces ---------------------------------------------------------------------------------
     def call(self, step: str, messages: dict[int, dict], reduce=None) -> dict[int, dict]:
+        """A server's client call. While the clients work on it, the round before is reported (see
+        :meth:`finish_round`); that time is the previous round's, not this call's."""
         t0 = time.perf_counter()
-        out = self.runtime.call(step, messages, reduce)
-        self.call_seconds += time.perf_counter() - t0
+        pending = self.runtime.submit(step, messages, reduce)
+        t1 = time.perf_counter()
+        self.finish_round()
+        t2 = time.perf_counter()
+        out = pending.result()
+        self.call_seconds += time.perf_counter() - t0 - (t2 - t1)
+        self.reporting_seconds += t2 - t1
         return out
 
     def sample(self, stage) -> list[int]:
@@ -90,10 +100,6 @@ class Loop:
             return list(range(n))
         k = max(1, int(round(self.cfg.participation * n)))
         return sorted(int(c) for c in self.rng.choice(n, size=k, replace=False))
-
-    def evaluate(self, stage, step: int) -> dict[int, dict]:
-        cids = list(range(self.cfg.clients))
-        return self.runtime.call("evaluate", self.server.eval_messages(stage, step, cids))
 
     def schedule(self) -> list[tuple[int, Any]]:
         """(global step, stage) for every round of every stage."""
@@ -129,12 +135,17 @@ class Loop:
                 step, stage = schedule[i]
                 self.run_step(step, stage, last=step == len(schedule) - 1)
             except ClientsLost as lost:  # client actors died: restore the last snapshot, replay from there
+                self.unfinished = None  # a round not yet reported is replayed with the others
                 i = self.recover(lost, min(i, len(schedule) - 1))
                 continue
+            except BaseException:
+                self.finish_after_failure()
+                raise
             i += 1
 
     def run_step(self, step: int, stage, last: bool) -> None:
-        """Setup (before the first round), then one round: train, evaluate, report, keep."""
+        """Setup (before the first round), then one round: train, then evaluate and keep; the round is
+        reported (:meth:`finish_round`) once its evaluation is back."""
         if not self.setup_done:
             self.setup_metrics = self.server.setup(self.call) or {}
             self.setup_done = True
@@ -142,41 +153,59 @@ class Loop:
                 for cb in self.callbacks:
                     cb.on_setup(self)
                 self.setup_reported = True
-        if self.stop_requested:
+        if self.stop_requested:  # the round under way is reported on the way out (finish_after_failure)
             raise RunStopped(f"stopped on request before round {step}")
         participants = self.sample(stage)
-        self.call_seconds = 0.0
+        self.call_seconds = self.reporting_seconds = 0.0
         t0 = time.perf_counter()
         metrics = dict(self.server.run_round(stage, step, participants, self.call) or {})
-        metrics["round_seconds"] = time.perf_counter() - t0
+        metrics["round_seconds"] = time.perf_counter() - t0 - self.reporting_seconds
         metrics["client_call_seconds"] = self.call_seconds
-        per_client: dict[int, dict] = {}
+        self.finish_round()  # a round that made no client call has not reported the one before yet
         evaluated = last or step % self.cfg.eval_every == 0
-        if evaluated:
-            t1 = time.perf_counter()
-            per_client = self.evaluate(stage, step)
-            metrics["eval_seconds"] = time.perf_counter() - t1
+        t1 = time.perf_counter()
+        evaluation = None
+        if evaluated:  # every client's personalized model on its own test split
+            messages = self.server.eval_messages(stage, step, list(range(self.cfg.clients)))
+            evaluation = self.runtime.submit("evaluate", messages)
         snapshot_due = self.cfg.snapshot_every and (step + 1) % self.cfg.snapshot_every == 0
-        t2 = time.perf_counter()
-        # the clients' part of the snapshot, asked for once the evaluation (which leaves every client as it is)
-        # is back, so that the evaluation does not wait behind it: client actors encode while this process
-        # summarises and reports the round
-        saved = self.runtime.save_clients() if snapshot_due else None
-        snapshot_seconds = time.perf_counter() - t2
-        if evaluated:
-            metrics.update(round_summary(per_client))
-            self.last_eval = per_client
+        snap = None
+        if snapshot_due:  # asked for behind the evaluation (which leaves every client as it is)
+            t2 = time.perf_counter()
+            snap = self.snapshot(step, self.runtime.save_clients())
+            metrics["snapshot_seconds"] = time.perf_counter() - t2
         if self.restarts:
             metrics["client_restarts"] = self.restarts
-        record = RoundRecord(step, stage.name, participants, metrics, per_client)
-        self.history.append({"step": step, "stage": stage.name, **metrics})
+        # the server's round artifacts now: the next round may change it before this one is reported
+        record = RoundRecord(step, stage.name, participants, metrics, artifacts=self.server.round_artifacts(step))
+        self.unfinished = (record, evaluation, t1, snap)
+        checkpoint_due = self.checkpoint_dir and self.cfg.checkpoint_every and (step + 1) % self.cfg.checkpoint_every == 0
+        stage_end = self.stage_reuse is not None and step in self.stage_reuse.ends
+        if last or checkpoint_due or stage_end or not self.runtime.pipelined:
+            self.finish_round()  # a checkpoint reads the clients as this round leaves them: now, not later
+
+    def finish_round(self) -> None:
+        """Report the round whose evaluation was asked for: its records and their summary, its history row,
+        its snapshot kept, the callbacks, a checkpoint when one is due. Under a pipelined runtime this waits
+        for the next round's first client call (:meth:`call`), so that the clients train while this process
+        summarises and reports; a host runs its calls in order, so that call sees the clients as this
+        round left them."""
+        if self.unfinished is None:
+            return
+        record, evaluation, t_eval, snap = self.unfinished
+        self.unfinished = None
+        step, metrics = record.step, record.metrics
+        if evaluation is not None:
+            record.per_client = evaluation.result()
+            metrics["eval_seconds"] = time.perf_counter() - t_eval  # from asking to having every record
+            metrics.update(round_summary(record.per_client))
+            self.last_eval = record.per_client
+        self.history.append({"step": step, "stage": record.stage, **metrics})
         if self.stage_reuse:
             self.stage_reuse.after_round(self, step)
-        if snapshot_due:
-            t2 = time.perf_counter()
-            self.keep_snapshot(step, saved)
-            snapshot_seconds += time.perf_counter() - t2
-            metrics["snapshot_seconds"] = self.history[-1]["snapshot_seconds"] = snapshot_seconds
+        if snap is not None:  # the round is done: its snapshot may be replayed from
+            snap.update(history=len(self.history), last_eval=self.last_eval)
+            self.snapshots = [*self.snapshots[-1:], snap]
         if step > self.reported:
             for cb in self.callbacks:
                 cb.on_round(self, record)
@@ -185,6 +214,14 @@ class Loop:
             for cb in self.callbacks:  # a run resumed from this checkpoint does not report these rounds again
                 cb.on_checkpoint(self)
             self.save_checkpoint(step)
+
+    def finish_after_failure(self) -> None:
+        """The run is failing: report the round that was waiting, if it can be, so that nothing it logged is
+        lost (its evaluation was asked for before the failure)."""
+        try:
+            self.finish_round()
+        except Exception:  # noqa: BLE001 - the failure already raised is the one to show
+            self.unfinished = None
 
     @property
     def final(self) -> dict:
@@ -267,7 +304,7 @@ class Loop:
         clients' state without waiting (under Ray: driver-owned objects, which outlive a dead actor), or
         ``clients`` is what it returned when asked earlier in the round; the driver's state is copied as
         plain-data bytes, since servers update their arrays in place. History only grows, so its length is
-        enough."""
+        enough (a round's snapshot gets it, and the round's records, when the round is reported)."""
         driver = {"server": self.server.state_dict(), "rng": self.rng.bit_generator.state,
                   "server_rng": self.server.rng.bit_generator.state}
         clients = self.runtime.save_clients() if clients is None else clients

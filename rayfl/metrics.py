@@ -35,15 +35,15 @@ def round_summary(per_client: dict[int, dict], splits=None) -> dict[str, float]:
     """Flat metrics for one round, e.g. ``test_acc_mean``, ``test_loss_worst``, from client records; by
     default for every split a record has a size ``n_<split>`` for (``global``: the balanced held-out set
     FedMoE scores every client on; ``fedavg_test``: FedMoE's FedAvg column, ...)."""
-    cids = sorted(per_client)
+    records = [per_client[c] for c in sorted(per_client)]
     if splits is None:
-        splits = sorted({k[2:] for c in cids for k in per_client[c] if k.startswith("n_")})
+        splits = sorted(k[2:] for k in set().union(*records) if k.startswith("n_"))
     out: dict[str, float] = {}
     for split in splits:
-        n = [per_client[c].get(f"n_{split}", 0) for c in cids]
+        n = [r.get(f"n_{split}", 0) for r in records]
         for metric, higher in (("acc", True), ("loss", False)):
             key = f"{split}_{metric}"
-            vals = [per_client[c].get(key, float("nan")) for c in cids]
+            vals = [r.get(key, float("nan")) for r in records]
             if all(isinstance(x, float) and math.isnan(x) for x in vals):
                 continue
             for stat, value in summarize(vals, n, higher).items():

@@ -2,13 +2,14 @@
 
 ``call(step, messages, reduce)`` runs a client step on many clients (in parallel under Ray) and returns
 their uploads, with the requested reduction combined from one partial sum per host (:mod:`rayfl.reduce`);
-``put``/``get`` turn vectors into handles and back. :class:`LocalRuntime` keeps every client
+``submit`` does the same without waiting (:class:`Pending`); ``put``/``get`` turn vectors into handles and
+back. :class:`LocalRuntime` keeps every client
 in this process (tests, debugging); ``actors.runtime.RayRuntime`` keeps them in client actors.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
@@ -20,8 +21,18 @@ class ClientsLost(RuntimeError):
     initial state); the loop restores every client from its last snapshot and replays the rounds since."""
 
 
+class Pending:
+    """A client call under way; ``result()`` waits for its uploads. A host runs its calls in the order they
+    were submitted, so a call submitted after this one sees the clients as this one leaves them."""
+
+    def __init__(self, wait: Callable[[], Uploads]):
+        self.result = wait
+
+
 class Runtime(Protocol):
+    pipelined: bool  # whether a round's report may wait while the clients run the next round's first call
     def call(self, step: str, messages: dict[int, dict], reduce=None) -> Uploads: ...
+    def submit(self, step: str, messages: dict[int, dict], reduce=None) -> Pending: ...
     def put(self, obj: Any) -> Any: ...
     def get(self, handles: list) -> list: ...
     def client_states(self) -> dict[int, bytes]: ...
@@ -84,6 +95,25 @@ def group_by_host(messages: dict[int, dict], host_of: dict[int, int]) -> dict[in
     return batches
 
 
+def pack(items: list[tuple[int, dict]]) -> tuple[list[int], list[dict], list[int]]:
+    """A host's batch as it travels: each distinct message object once, with the index of each client's. A
+    message the server sends to every client (FedAvg's global model: ``dict.fromkeys``) is serialized, and its
+    model handles resolved, once per host instead of once per client."""
+    index: dict[int, int] = {}
+    messages, which = [], []
+    for _, msg in items:
+        k = index.setdefault(id(msg), len(messages))
+        if k == len(messages):
+            messages.append(msg)
+        which.append(k)
+    return [cid for cid, _ in items], messages, which
+
+
+def unpack(packed: tuple[list[int], list[dict], list[int]]) -> list[tuple[int, dict]]:
+    cids, messages, which = packed
+    return [(cid, messages[k]) for cid, k in zip(cids, which)]
+
+
 def gather(batches: dict[int, list], results: list[tuple[list, dict]], reduce) -> Uploads:
     """Uploads by client id from each host's (uploads, partial sum), and the reduction combined in host order."""
     out = Uploads(reduced=combine(reduce, [partial for _, partial in results]))
@@ -102,11 +132,14 @@ def _frozen(obj: Any) -> Any:
 
 
 class LocalRuntime:
-    """Every client in this process; same semantics as the Ray runtime, for tests and debugging."""
+    """Every client in this process; same semantics as the Ray runtime, for tests and debugging. A call runs
+    when it is submitted, so one process gains nothing from reporting a round late: not ``pipelined`` unless
+    asked (tests of the pipelined loop)."""
 
-    def __init__(self, prepared, n_hosts: int | None = None, device: str = "cpu"):
+    def __init__(self, prepared, n_hosts: int | None = None, device: str = "cpu", pipelined: bool = False):
         """``n_hosts``: how many hosts to spread the clients over (default: the config's placement, one
         host for ``auto``); ``device``: where the clients' data and models live."""
+        self.pipelined = pipelined
         from rayfl.host import ClientHost
 
         cfg, fed = prepared.cfg, prepared.federation
@@ -121,6 +154,10 @@ class LocalRuntime:
     def call(self, step, messages, reduce=None):
         batches = group_by_host(messages, self.host_of)
         return gather(batches, [self.hosts[h].run(step, items, reduce) for h, items in batches.items()], reduce)
+
+    def submit(self, step, messages, reduce=None):
+        out = self.call(step, messages, reduce)
+        return Pending(lambda: out)
 
     def put(self, obj):
         return _frozen(obj)

@@ -315,7 +315,7 @@ class MlflowTracker(Callback):
         self.writer.check()  # a store that failed ends the run now, not after its last round
         step, per_client = record.step, record.per_client
         metrics = {**numeric(record.metrics, finite_only=False), "participants": float(len(record.participants))}
-        arrays = loop.server.round_artifacts(step)
+        arrays = record.artifacts
 
         def job():
             # the writer's CPU since the previous round's job began (that job and the batches sent since)

@@ -35,11 +35,11 @@ class FedAvgServer(Server):
         return ups
 
     def run_round(self, stage, rnd, participants, call):
-        ups = self.train_and_average(call, {c: {"models": {"global": self.global_ref}} for c in participants})
+        ups = self.train_and_average(call, dict.fromkeys(participants, {"models": {"global": self.global_ref}}))
         return {"train_loss": weighted_mean(ups, "train_loss")}
 
     def eval_messages(self, stage, rnd, cids):
-        return {c: {"models": {"global": self.global_ref}} for c in cids}
+        return dict.fromkeys(cids, {"models": {"global": self.global_ref}})  # one message, to every client
 
     def final_model(self):
         return self.global_ref
