@@ -174,6 +174,12 @@ CONNECT_TIMEOUT_S = 5.0
 _SAVED_ENV: dict[str, str | None] = {}
 
 
+# Objects up to this size travel inside a call's message instead of through the node's object store: an
+# actor's partial sum of a 159k-parameter model (1.3 MB of float64) cost the raylet about 5 ms of CPU a
+# round at 1,000 clients on 2 cores (benchmarks/README.md). Ray's default is 100 KB; a private instance only.
+INLINE_BYTES = 4 << 20
+
+
 def init_ray(address: str | None) -> None:
     """Connect to the given cluster, or start a private local instance (never someone else's).
 
@@ -195,8 +201,8 @@ def init_ray(address: str | None) -> None:
     _reload_ray_env()
     import ray
 
-    kwargs = dict(address="local", include_dashboard=False, _node_ip_address="127.0.0.1") if private else \
-        dict(address=address)
+    kwargs = dict(address="local", include_dashboard=False, _node_ip_address="127.0.0.1",
+                  _system_config={"max_direct_call_object_size": INLINE_BYTES}) if private else dict(address=address)
     try:
         with _stderr_kept_aside() as kept:
             ray.init(logging_level="ERROR", configure_logging=True, **kwargs,

@@ -422,6 +422,8 @@ def test_ray_start_failure_is_one_line_exit_1(files, capsys, monkeypatch):
     # what the private instance was asked for: loopback only, no dashboard, a fresh token
     assert seen["address"] == "local" and seen["_node_ip_address"] == "127.0.0.1" and not seen["include_dashboard"]
     assert seen["auth"] == "token" and len(seen["token"]) == 64
+    # an actor's partial sum of a 159k-parameter model (float64) travels inside the reply, not the object store
+    assert seen["_system_config"]["max_direct_call_object_size"] >= 159_010 * 8
     assert {k: os.environ.get(k) for k in keys} == before
 
 
