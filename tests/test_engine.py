@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numpy as np
 import torch
 import pytest
@@ -122,8 +123,41 @@ def test_a_round_table_reads_back_as_pandas_writes_it(tmp_path):
     theirs = pd.DataFrame([{"client": c, **rec} for c, rec in sorted(records.items())])
     theirs.insert(0, "round", 5)
     theirs.to_csv(tmp_path / "pandas.csv", index=False)
-    pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "mine.csv"), pd.read_csv(tmp_path / "pandas.csv"))
+    pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "mine.csv"), pd.read_csv(tmp_path / "pandas.csv"),
+                                  check_exact=True)
     assert ",," in (tmp_path / "mine.csv").read_text() and "nan" not in (tmp_path / "mine.csv").read_text()
+
+
+def test_a_numbers_only_table_is_written_by_arrow_and_reads_back_exactly(tmp_path):
+    """Numbers only (the usual table): Arrow's writer, which must read back as pandas' to_csv does, to the
+    bit: float32 as numpy writes it, integral floats as floats (1.0, not 1), tiny and huge magnitudes, NaN
+    and missing keys empty, an integer column with gaps, a column with no value at all."""
+    import pandas as pd
+
+    from rayfl import tracking
+
+    rng = np.random.default_rng(0)
+    records, ids = {}, rng.choice(10**6, size=300, replace=False)
+    for c in range(300):
+        rec = {"loss": float(rng.lognormal(0, 3)), "acc": int(rng.integers(0, 5)) / 4, "hit": float(rng.integers(0, 2)),
+               "tiny": float(rng.uniform(-1, 1) * 10.0 ** rng.integers(-12, -3)), "f32": np.float32(rng.normal() if c % 3 else c % 2),
+               "n_test": np.int64(rng.integers(1, 9)), "huge": float(rng.normal() * 1e21), "gone": None}
+        if c % 7 == 0:
+            rec.update(loss=float("nan"), n_train=int(rng.integers(1, 50)))
+        records[int(ids[c])] = rec
+    assert tracking._numbers_table([[0.5, 1.0, None], [np.int64(3), None, 1]]) is not None  # the Arrow path
+    tracking.write_client_table(str(tmp_path / "mine.csv"), 7, records)
+    theirs = pd.DataFrame([{"client": c, **rec} for c, rec in sorted(records.items())])
+    theirs.insert(0, "round", 7)
+    theirs.to_csv(tmp_path / "pandas.csv", index=False)
+    mine = pd.read_csv(tmp_path / "mine.csv")
+    pd.testing.assert_frame_equal(mine, pd.read_csv(tmp_path / "pandas.csv"),
+                                  check_exact=True)
+    loss = [records[c]["loss"] for c in sorted(records)]
+    assert list(mine.loss.fillna(-1)) == [-1 if math.isnan(v) else v for v in loss]  # the values themselves
+    assert mine.hit.dtype == np.float64 and mine.n_train.isna().sum() == sum(c % 7 != 0 for c in range(300))
+    text = (tmp_path / "mine.csv").read_bytes().decode()  # as written: no newline translation
+    assert text.startswith("round,client,loss,acc,hit,tiny,f32,n_test,huge,gone,n_train\n") and "\r" not in text
 
 
 def test_per_client_metrics_only_for_small_federations(tmp_path):
