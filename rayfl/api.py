@@ -202,8 +202,9 @@ def run_config(cfg: Config | None, *, resume: str | None = None, address: str | 
 
 
 def _history(rows: list[dict], walls: dict[int, float]):
-    """A row per round, counted from 1, with its whole wall time (evaluation and logging included; none
-    for rounds run before a resume)."""
+    """A row per round, counted from 1, with its wall time (the time since the round before was reported,
+    evaluation and logging included: the walls add up to the run's time; none for rounds run before a
+    resume)."""
     import pandas as pd
 
     df = pd.DataFrame(rows)

@@ -5,7 +5,9 @@ Events (each a dict with an ``"event"`` key) in the order a run sends them:
 ``total`` client actors constructed), ``start`` and ``setup`` (the driver's clock when the loop starts),
 ``round`` (one per round: the loop's record plus the driver's ``time``) and ``done``.
 A round's wall time is the gap between two consecutive driver times, so evaluation, MLflow logging and
-checkpoints are in it. Any callable taking such a dict can stand in for the console (``rayfl.run(progress=f)``).
+checkpoints are in it; the walls add up to the run's time. Under Ray a round is reported while the clients
+run the next one's training, so rounds overlap and the last round's wall can be shorter than its own
+``round_seconds``. Any callable taking such a dict can stand in for the console (``rayfl.run(progress=f)``).
 """
 
 from __future__ import annotations

@@ -10,8 +10,9 @@ set of one-point charts), final weights, plots, and whatever the algorithm keeps
 
 Everything, from importing MLflow and opening the store and the experiment to creating the run, is done by
 one background thread (:class:`Writer`): a driver starts it while its client actors start, the run exists
-before the first round, and no round waits on the tracking store after that; what the thread costs is
-logged with each round (``tracking_cpu_seconds``: its CPU time since the round before). The run is closed
+before the first round, and no round waits on the tracking store after that; rounds shorter than a second
+share one call to the store for their metrics and one for their tables; what the thread costs is logged
+with each round (``tracking_cpu_seconds``: its CPU time since the round before). The run is closed
 only after the writer has drained its queue, when the run ends and when it fails, so nothing queued is
 lost. A store that fails ends the run at the next round; a checkpoint waits for the queue; a process killed
 outright loses what was queued.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import itertools
 import math
 import os
 import queue
@@ -85,16 +87,15 @@ def write_client_table(path: str, round_no: int, per_client: dict[int, dict]) ->
     column holds anything else."""
     cids = sorted(per_client)
     records = [per_client[c] for c in cids]
-    keys = list(dict.fromkeys(k for rec in records for k in rec))
-    columns = [[None if v is None or v != v else v for v in [rec.get(k) for rec in records]]  # v != v: NaN
-               for k in keys]
-    rows = [[round_no] * len(cids), cids, *columns]
+    keys = list(dict.fromkeys(itertools.chain.from_iterable(records)))  # first seen first
+    rows = [[round_no] * len(cids), cids, *(list(map(dict.get, records, itertools.repeat(k))) for k in keys)]
+    table = _numbers_table(rows)
     with open(path, "w", newline="") as f:
         out = csv.writer(f, lineterminator="\n")
         out.writerow(["round", "client", *keys])
-        table = _numbers_table(rows)
         if table is None:
-            out.writerows(zip(*rows))
+            out.writerows(zip(*([None if v is None or v != v else v for v in column]  # v != v: NaN
+                                for column in rows)))
     if table is not None:
         import pyarrow as pa
         import pyarrow.csv as pcsv
@@ -108,6 +109,7 @@ def _numbers_table(columns: list[list]):
     holds only numbers and None."""
     try:
         import pyarrow as pa
+        import pyarrow.compute as pc
     except ImportError:  # MLflow brings pyarrow; without it, the csv module writes the table
         return None
     arrays = []
@@ -116,10 +118,14 @@ def _numbers_table(columns: list[list]):
             array = pa.array(column)
         except (pa.ArrowInvalid, pa.ArrowTypeError):  # numbers mixed with other things
             return None
-        if pa.types.is_floating(array.type):  # written as str() writes them (a float32 as numpy's float32)
+        if pa.types.is_floating(array.type):  # a float32 as numpy writes it; NaN empty
             values = array.to_numpy(zero_copy_only=False)
-            if np.any(np.floor(values) == values):  # Arrow writes 1.0 as 1: pandas would read integers back
-                array = pa.array([None if v is None else str(v) for v in column])
+            if np.isnan(values).any():
+                array = pc.if_else(pc.is_nan(array), None, array)
+            if (np.floor(values) == values).any():  # Arrow writes 1.0 as 1: pandas would read integers back
+                text = pc.cast(array, pa.string())
+                bare = pc.match_substring_regex(text, r"^-?[0-9]+$")
+                array = pc.if_else(bare, pc.binary_join_element_wise(text, ".0", ""), text)
         elif not (pa.types.is_integer(array.type) or pa.types.is_null(array.type)):
             return None  # booleans (Arrow writes true, not True)
         arrays.append(array)
@@ -210,6 +216,7 @@ class MlflowTracker(Callback):
         self.client_metrics = False
         self.writer: Writer | None = None
         self._pending: list = []  # metrics waiting for the writer's next batch
+        self._staged = False  # round files waiting for it (in self._tmp/staged)
         self._sent = 0.0
         self._cpu_mark = 0.0  # the writer's cpu_seconds when the last round's metrics were made
         self.algo = ""
@@ -231,23 +238,38 @@ class MlflowTracker(Callback):
             self._send_metrics()
 
     def _send_metrics(self) -> None:
+        """The metrics and the round files queued for the next batch, sent to the store."""
         items, self._pending = self._pending, []
         self._sent = time.monotonic()
         if items:
             self._log_items(items)
+        if self._staged:
+            staged = os.path.join(self._tmp, "staged")
+            self._client.log_artifacts(self.run_id, staged)  # its tree: staged/results/clients/round_0001.csv
+            shutil.rmtree(staged)
+            self._staged = False
 
     def _log_items(self, items: list) -> None:
         for start in range(0, len(items), 1000):  # MLflow's limit per batch
             self._client.log_batch(self.run_id, metrics=items[start:start + 1000], synchronous=True)
 
-    def _log_file(self, name: str, write: Callable[[str], None], artifact_path: str) -> None:
+    def _log_file(self, name: str, write: Callable[[str], None], artifact_path: str, batched: bool = False) -> None:
+        """``write(path)`` makes the file; ``batched``: it goes to the store with the next batch of metrics, all
+        such files in one call (a round's files: one call a second instead of one a file, about 1.0 ms a file
+        against 0.3 with a SQLite store and 1,000-row tables)."""
+        if batched:
+            folder = os.path.join(self._tmp, "staged", artifact_path)
+            os.makedirs(folder, exist_ok=True)
+            write(os.path.join(folder, name))
+            self._staged = True
+            return
         path = os.path.join(self._tmp, name)
         write(path)
         self._client.log_artifact(self.run_id, path, artifact_path)
         os.remove(path)
 
-    def _log_array(self, name: str, array, artifact_path: str) -> None:
-        self._log_file(name, lambda p: np.save(p, np.asarray(array)), artifact_path)
+    def _log_array(self, name: str, array, artifact_path: str, batched: bool = False) -> None:
+        self._log_file(name, lambda p: np.save(p, np.asarray(array)), artifact_path, batched)
 
     def _log_object(self, name: str, obj, path: str) -> None:
         import pandas as pd
@@ -357,7 +379,7 @@ class MlflowTracker(Callback):
             self._cpu_mark = self.writer.cpu_seconds
             if per_client:
                 self._log_file(f"round_{step + 1:04d}.csv", lambda p: write_client_table(p, step + 1, per_client),
-                               "results/clients")
+                               "results/clients", batched=True)
                 if self.client_metrics:
                     for cid, rec in per_client.items():
                         for k, v in numeric(rec, finite_only=False).items():
@@ -365,7 +387,7 @@ class MlflowTracker(Callback):
                                 values[f"{CLIENT_PREFIX}{cid}/{k}"] = v
             self._log_metrics(values, step + 1)  # rounds from 1, as on the console; setup is step 0
             for name, arr in arrays.items():
-                self._log_array(f"{name}_{step + 1:04d}.npy", arr, f"rounds/{name}")
+                self._log_array(f"{name}_{step + 1:04d}.npy", arr, f"rounds/{name}", batched=True)
 
         self._submit(job)
 

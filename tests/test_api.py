@@ -63,9 +63,10 @@ def test_run_returns_all_four_fields(ray_session, mlflow_uri, tmp_path):
     n = len(result.history)
     assert n >= TINY["rounds"] and list(result.history["round"]) == list(range(1, n + 1))
     assert result.history.iloc[-1]["test_acc_mean"] == result.final["test_acc_mean"]
-    # wall time of every round (the first counted from the end of setup), never shorter than the loop's own
+    # wall time of every round (the first counted from the end of setup): the walls cover every round's own
+    # time (rounds overlap with the next one's reporting, so a single wall may be shorter than its round)
     walls = result.history["wall_seconds"]
-    assert walls.notna().all() and (walls >= result.history["round_seconds"]).all()
+    assert walls.notna().all() and (walls > 0).all() and walls.sum() >= result.history["round_seconds"].sum()
     # clients: one row per client with its evaluation
     assert sorted(result.clients["client"]) == [0, 1, 2]
     assert {"n_train", "test_acc"} <= set(result.clients.columns)

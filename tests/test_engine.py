@@ -170,17 +170,23 @@ def test_per_client_metrics_only_for_small_federations(tmp_path):
 
 
 def test_quick_rounds_share_store_calls_and_every_value_arrives(tmp_path, monkeypatch):
-    """Rounds shorter than METRICS_EVERY are sent in shared batches (fewer store calls than rounds), yet every
-    round's value reaches the store, at its round; a lone round is sent within METRICS_EVERY even if no
-    other round follows."""
+    """Rounds shorter than METRICS_EVERY are sent in shared batches, their client tables too (fewer store
+    calls than rounds), yet every round's value and table reaches the store, at its round; a lone round is
+    sent within METRICS_EVERY even if no other round follows."""
     import time
 
     from rayfl import tracking
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    calls = []
+    calls, table_calls = [], []
     original = MlflowClient.log_batch
     monkeypatch.setattr(MlflowClient, "log_batch", lambda self, *a, **k: (calls.append(1), original(self, *a, **k))[1])
+    for name in ("log_artifact", "log_artifacts"):
+        def counted(self, run_id, local, *a, _original=getattr(MlflowClient, name), **k):
+            if "round_" in local or local.endswith("staged"):
+                table_calls.append(local)
+            return _original(self, run_id, local, *a, **k)
+        monkeypatch.setattr(MlflowClient, name, counted)
     p = prepare(tiny(algo="fedavg", clients=3, rounds=12, client_metrics=100))
     tracker = MlflowTracker(uri, ensure_experiment(uri, "t"))
     Loop(p, LocalRuntime(p), [tracker]).run()
@@ -188,6 +194,8 @@ def test_quick_rounds_share_store_calls_and_every_value_arrives(tmp_path, monkey
     assert [m.step for m in client.get_metric_history(tracker.run_id, "test_acc_mean")] == list(range(1, 13))
     assert len(client.get_metric_history(tracker.run_id, "client/2/test_acc")) == 12
     assert len(calls) < 12
+    tables = sorted(a.path for a in client.list_artifacts(tracker.run_id, "results/clients"))
+    assert tables == [f"results/clients/round_{r:04d}.csv" for r in range(1, 13)] and 0 < len(table_calls) < 12
 
     # the idle writer sends what waits: a metric queued alone is in the store within METRICS_EVERY (+ margin)
     monkeypatch.setattr(tracking, "METRICS_EVERY", 0.2)
@@ -200,6 +208,13 @@ def test_quick_rounds_share_store_calls_and_every_value_arrives(tmp_path, monkey
     while not client.get_metric_history(t.run_id, "x") and time.monotonic() < deadline:
         time.sleep(0.05)
     assert [m.value for m in client.get_metric_history(t.run_id, "x")] == [1.0]
+    t._sent = time.monotonic()  # and a round file staged alone
+    t._submit(lambda: t._log_file("round_0001.csv", lambda path: open(path, "w").write("round\n1\n"),
+                                  "results/clients", batched=True))
+    deadline = time.monotonic() + 5
+    while not client.list_artifacts(t.run_id, "results/clients") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [a.path for a in client.list_artifacts(t.run_id, "results/clients")] == ["results/clients/round_0001.csv"]
     t.writer.close()
 
 
