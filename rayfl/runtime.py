@@ -3,8 +3,8 @@
 ``call(step, messages, reduce)`` runs a client step on many clients (in parallel under Ray) and returns
 their uploads, with the requested reduction combined from one partial sum per host (:mod:`rayfl.reduce`);
 ``submit`` does the same without waiting (:class:`Pending`); ``put``/``get`` turn vectors into handles and
-back. :class:`LocalRuntime` keeps every client
-in this process (tests, debugging); ``actors.runtime.RayRuntime`` keeps them in client actors.
+back. :class:`LocalRuntime` keeps every client in this process (tests, debugging);
+``actors.runtime.RayRuntime`` keeps them in client actors.
 """
 
 from __future__ import annotations
