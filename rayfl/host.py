@@ -20,6 +20,7 @@ from rayfl.algorithms.base import ClientLogic
 from rayfl.client import Bench, Client, TrainSettings, eval_pass, evaluate_together
 from rayfl.experiment import ModelSpec
 from rayfl.reduce import Partial, accumulate
+from rayfl.runtime import pack
 
 
 class ClientHost:
@@ -85,9 +86,9 @@ class ClientHost:
         method = getattr(self.logic, f"step_{step}", None)
         if method is None:
             raise ValueError(f"{type(self.logic).__module__} has no client step {step!r}")
-        distinct = list({id(msg): msg for _, msg in items}.values())  # a message sent to many clients: once
-        models_of = dict(zip(map(id, distinct), self._resolve_models([m.get("models", {}) for m in distinct])))
-        resolved = [models_of[id(msg)] for _, msg in items]
+        _, distinct, which = pack(items)  # a message sent to many clients: its models resolved once
+        models = self._resolve_models([msg.get("models", {}) for msg in distinct])
+        resolved = [models[k] for k in which]
         if step != "evaluate":  # evaluation leaves a client as it was (ClientLogic.step_evaluate)
             self._changed.update(cid for cid, _ in items)
         uploads, partial = [], {}

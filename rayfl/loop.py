@@ -122,7 +122,7 @@ class Loop:
         for cb in self.callbacks:
             cb.on_start(self)
         schedule = self.schedule()
-        self.keep_snapshot(self.start_step - 1)
+        self.keep_snapshot(self.snapshot(self.start_step - 1))
         i = self.start_step
         while True:
             try:
@@ -205,7 +205,7 @@ class Loop:
             self.stage_reuse.after_round(self, step)
         if snap is not None:  # the round is done: its snapshot may be replayed from
             snap.update(history=len(self.history), last_eval=self.last_eval)
-            self.snapshots = [*self.snapshots[-1:], snap]
+            self.keep_snapshot(snap)
         if step > self.reported:
             for cb in self.callbacks:
                 cb.on_round(self, record)
@@ -323,9 +323,9 @@ class Loop:
         self.last_eval, self.setup_metrics, self.setup_done = snap["last_eval"], snap["setup_metrics"], snap["setup_done"]
         return snap["step"] + 1
 
-    def keep_snapshot(self, step: int, clients=None) -> None:
+    def keep_snapshot(self, snap: dict) -> None:
         """Two are kept: the newest may have been cut short by the very fault it is meant to undo."""
-        self.snapshots = [*self.snapshots[-1:], self.snapshot(step, clients)]
+        self.snapshots = [*self.snapshots[-1:], snap]
 
     def recover(self, lost: ClientsLost, step: int) -> int:
         """Client actors died in round ``step`` (the runtime has restarted them): restore every client and the
