@@ -120,10 +120,12 @@ def _numbers_table(columns: list[list]):
             return None
         if pa.types.is_floating(array.type):  # a float32 as numpy writes it; NaN empty
             values = array.to_numpy(zero_copy_only=False)
-            if np.isnan(values).any():
+            nan = np.isnan(values)
+            if nan.any():
                 array = pc.if_else(pc.is_nan(array), None, array)
-            if (np.floor(values) == values).any():  # Arrow writes 1.0 as 1: pandas would read integers back
-                text = pc.cast(array, pa.string())
+            values = values[~nan]
+            if values.size and (np.floor(values) == values).all():  # Arrow writes 1.0 as 1: pandas would read
+                text = pc.cast(array, pa.string())  # integers back (a column with a 0.5 in it reads as floats)
                 bare = pc.match_substring_regex(text, r"^-?[0-9]+$")
                 array = pc.if_else(bare, pc.binary_join_element_wise(text, ".0", ""), text)
         elif not (pa.types.is_integer(array.type) or pa.types.is_null(array.type)):

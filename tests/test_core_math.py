@@ -144,6 +144,21 @@ def test_config_file_and_overrides(tmp_path):
         make_config(None, {"rounds": "many"})
 
 
+def test_round_summary_leaves_out_clients_without_a_value():
+    """A record without a split's metric (a missing key or NaN) is left out of that metric's statistics only;
+    sizes weigh the rest, a record without a size not at all (by hand: accuracies 0.5 and 1.0 with 2 and 6
+    test samples)."""
+    per_client = {3: {"test_acc": 1.0, "test_loss": 0.2, "n_test": 6},
+                  1: {"test_acc": 0.5, "test_loss": 0.4, "n_test": 2},
+                  2: {"test_loss": 0.9},  # no size: weight 0
+                  0: {"test_acc": math.nan, "test_loss": 0.3, "n_test": 5}}
+    out = round_summary(per_client)
+    assert out["test_acc_mean"] == 0.75 and out["test_acc_weighted_mean"] == pytest.approx(7 / 8)
+    assert out["test_acc_worst"] == 0.5 and out["test_acc_std"] == pytest.approx(0.5 ** 0.5 / 2)
+    assert out["test_loss_mean"] == pytest.approx(0.45) and out["test_loss_worst"] == 0.9
+    assert out["test_loss_weighted_mean"] == pytest.approx((0.2 * 6 + 0.4 * 2 + 0.3 * 5) / 13)
+
+
 def test_nan_free_summary_for_regression():
     out = round_summary({0: {"test_loss": 0.5, "test_acc": math.nan, "n_test": 3}})
     assert "test_acc_mean" not in out and out["test_loss_mean"] == 0.5
