@@ -12,6 +12,7 @@ and an algorithm without a personal model (FedAvg) keeps none.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -127,7 +128,6 @@ class Client:
         self.rng = np.random.default_rng([seed, cid])
         self.gen = torch.Generator().manual_seed(int(self.rng.integers(2**62)))
         self.optimizer = None  # an algorithm that keeps optimizer state across rounds sets it
-        self._joined_key, self._joined_xy = None, None  # evaluation splits end to end (see evaluate)
 
     # --- sizes -----------------------------------------------------------------------------------
     def n(self, split: str = "train") -> int:
@@ -205,26 +205,23 @@ class Client:
         if self.small_eval(eval_pass(model, self.splits[splits[0]][0]), splits):
             return evaluate_together(model, [self], splits)[0]
         results = [training.evaluate(model, *self.splits[split], self.settings.task) for split in splits]
-        return _record(splits, [self.n(split) for split in splits], results)
+        return _record(_names(splits), [self.n(split) for split in splits], results)
 
     def small_eval(self, limit: int, splits=("val", "test")) -> bool:
         """Whether ``evaluate`` joins these splits into one forward pass (they fit in one of ``limit`` samples,
         ``eval_pass``)."""
         return 1 < len(splits) and sum(self.n(split) for split in splits) <= limit
 
-    def _joined(self, splits: tuple) -> tuple:
-        """The splits' samples end to end, kept while the splits stay the same tensors."""
-        key = tuple((s, id(self.splits[s][0])) for s in splits)
-        if self._joined_key != key:
-            self._joined_xy = tuple(torch.cat([self.splits[s][i] for s in splits]) for i in (0, 1))
-            self._joined_key = key
-        return self._joined_xy
+
+def _names(splits) -> list[tuple[str, str, str]]:
+    return [(f"{split}_loss", f"{split}_acc", f"n_{split}") for split in splits]
 
 
-def _record(splits, sizes: list[int], results: list[tuple]) -> dict:
+def _record(names: list[tuple[str, str, str]], sizes: list[int], results: list[tuple]) -> dict:
+    """An evaluation record: loss, accuracy and size per split (``names``: :func:`_names` of the splits)."""
     out: dict[str, float] = {}
-    for split, n, (loss, acc) in zip(splits, sizes, results):
-        out[f"{split}_loss"], out[f"{split}_acc"], out[f"n_{split}"] = loss, acc, n
+    for (loss_key, acc_key, n_key), n, (loss, acc) in zip(names, sizes, results):
+        out[loss_key], out[acc_key], out[n_key] = loss, acc, n
     return out
 
 
@@ -236,27 +233,42 @@ def eval_pass(model: nn.Module | Callable, x: torch.Tensor) -> int:
     return training.pass_size(model, x, EVAL_BATCH)
 
 
-def evaluate_together(model: nn.Module, clients: list[Client], splits=("val", "test")) -> list[dict]:
+def evaluate_together(model: nn.Module, clients: list[Client], splits=("val", "test"),
+                      layouts: dict | None = None) -> list[dict]:
     """``client.evaluate(model, splits)`` for each of several clients with small splits (``small_eval``), in as
     few forward passes of at most ``eval_pass`` samples as whole clients allow: one model shared by 500
-    clients of a few samples each is one forward pass instead of 500."""
+    clients of a few samples each is one forward pass instead of 500. ``layouts``: a dict the caller keeps,
+    where the passes' inputs stay while the same clients are evaluated on the same split tensors (FedAvg's
+    every round), so that they are not gathered from 500 clients again. The same split tensors (and splits,
+    in the same order) give the same passes: a client whose split is replaced is laid out anew."""
+    if not clients:
+        return []
     splits = tuple(splits)
-    out: list[dict] = []
-    limit = eval_pass(model, clients[0]._joined(splits)[0]) if clients else 0
-    start = 0
+    limit = eval_pass(model, clients[0].splits[splits[0]][0])
+    tensors = [t for c in clients for s in splits for t in c.splits[s]]  # identity, not content: kept alive
+    last = layouts if layouts is not None and layouts.get("limit") == limit else {}
+    same = len(last.get("tensors", ())) == len(tensors) and all(map(operator.is_, last["tensors"], tensors))
+    passes = last["passes"] if same else _passes(clients, splits, limit)
+    if layouts is not None and not same:  # the last layout only: a host evaluates one group a call
+        layouts.update(limit=limit, tensors=tensors, passes=passes)
+    names, k, out = _names(splits), len(splits), []
+    for x, y, sizes in passes:
+        results = training.evaluate_small(model, x, y, sizes, clients[0].settings.task)
+        out.extend(_record(names, sizes[i:i + k], results[i:i + k]) for i in range(0, len(sizes), k))
+    return out
+
+
+def _passes(clients: list[Client], splits: tuple, limit: int) -> list[tuple]:
+    """The clients' splits end to end, cut between whole clients into passes of at most ``limit`` samples
+    (a client larger than that alone): (x, y, the split sizes client by client) per pass."""
+    sizes = [[c.n(s) for s in splits] for c in clients]
+    passes, start = [], 0
     while start < len(clients):
         end, total = start, 0
-        while end < len(clients):
-            n = clients[end]._joined(splits)[0].shape[0]
-            if end > start and total + n > limit:
-                break
-            total, end = total + n, end + 1
-        chunk = clients[start:end]
-        joined = [c._joined(splits) for c in chunk]
-        x, y = (torch.cat([xy[i] for xy in joined]) for i in (0, 1))
-        sizes = [c.n(split) for c in chunk for split in splits]
-        results = training.evaluate_small(model, x, y, sizes, chunk[0].settings.task)
-        k = len(splits)
-        out.extend(_record(splits, sizes[i * k:(i + 1) * k], results[i * k:(i + 1) * k]) for i in range(len(chunk)))
+        while end < len(clients) and (end == start or total + sum(sizes[end]) <= limit):
+            total, end = total + sum(sizes[end]), end + 1
+        parts = [c.splits[s] for c in clients[start:end] for s in splits]
+        passes.append((torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts]),
+                       [n for per_client in sizes[start:end] for n in per_client]))
         start = end
-    return out
+    return passes

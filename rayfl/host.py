@@ -38,6 +38,7 @@ class ClientHost:
         self.device = device
         self.resolve = resolve
         self._holdout_cache: dict = {}  # transform -> the "global" split, shared by this host's clients
+        self._layouts: dict = {}  # the inputs of the last group evaluated together (evaluate_together)
         self.logic = algorithm.ClientLogic(algorithm.make_params(cfg.params))
         settings = TrainSettings.from_config(cfg, task)
         self.bench = Bench(model_spec.build, initial, device)
@@ -131,7 +132,7 @@ class ClientHost:
             members = [i for i in members if self.clients[items[i][0]].small_eval(limit)]
             if len(members) < 2:
                 continue
-            records = evaluate_together(model, [self.clients[items[i][0]] for i in members])
+            records = evaluate_together(model, [self.clients[items[i][0]] for i in members], layouts=self._layouts)
             share = (time.perf_counter() - t0) / len(members)
             for i, rec in zip(members, records):
                 out[i] = {**rec, "seconds": share}

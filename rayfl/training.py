@@ -235,19 +235,19 @@ def evaluate_small(model: nn.Module, x: torch.Tensor, y: torch.Tensor, sizes: li
     set_mode(model, training=False)
     out = model(x)
     losses = loss_fn_for(task)(out, y, reduction="none")
-    per_sample = losses.reshape(losses.shape[0], -1).sum(1).double().tolist()  # cheap for 2 or 2,000 segments
-    hits = (out.argmax(1) == y).tolist() if task != "regression" else None
-    values = y[0].numel() if task == "regression" and len(y) else 1  # regression: a loss per value
-    results, end = [], 0
-    for n in sizes:
-        start, end = end, end + n
-        if n == 0:
-            results.append((float("nan"), float("nan")))
-        elif hits is None:
-            results.append((sum(per_sample[start:end]) / (n * values), float("nan")))
-        else:
-            results.append((sum(per_sample[start:end]) / n, sum(hits[start:end]) / n))
-    return results
+    per_sample = losses.reshape(losses.shape[0], -1).sum(1).double().cpu().numpy()
+    sizes = np.asarray(sizes, dtype=np.int64)
+    filled = sizes > 0  # np.add.reduceat would give an empty segment its next sample, not 0
+    starts = (np.cumsum(sizes) - sizes)[filled]
+    loss = np.full(len(sizes), np.nan)
+    acc = np.full(len(sizes), np.nan)
+    if starts.size:  # each segment summed on its own: a client's record does not depend on its neighbours
+        values = y[0].numel() if task == "regression" else 1  # regression: a loss per value
+        loss[filled] = np.add.reduceat(per_sample, starts) / (sizes[filled] * values)
+        if task != "regression":
+            hits = (out.argmax(1) == y).cpu().numpy().astype(np.int64)
+            acc[filled] = np.add.reduceat(hits, starts) / sizes[filled]
+    return list(zip(loss.tolist(), acc.tolist()))
 
 
 @torch.no_grad()

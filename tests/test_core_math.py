@@ -320,6 +320,7 @@ def test_clients_evaluated_together_equal_their_own_evaluations(monkeypatch, bat
         clients = [Client(c, {s: (torch.randn(n, 3), y_of(n)) for s, n in (("train", 2), ("val", nv), ("test", nt))},
                           lambda: model, None, TrainSettings(task, 1, 0.1, 4), seed=0)
                    for c, (nv, nt) in enumerate([(3, 5), (0, 4), (7, 2), (6, 6)])]
+        client_mod.eval_pass(model, clients[0].splits["val"][0])  # its one-sample probe, before the count
         passes = []
         hook = model.register_forward_hook(lambda m, inp, out: passes.append(inp[0].shape[0]))
         together = evaluate_together(model, clients)
@@ -332,6 +333,48 @@ def test_clients_evaluated_together_equal_their_own_evaluations(monkeypatch, bat
             for k in rec:
                 np.testing.assert_allclose(rec[k], alone[k], rtol=1e-6, equal_nan=True, err_msg=k)
             assert rec["n_val"] == client.n("val")
+            for split in ("val", "test"):  # and by hand, torch's own mean over the split
+                x, y = client.splits[split]
+                if len(x) == 0:
+                    assert np.isnan(rec[f"{split}_loss"]) and np.isnan(rec[f"{split}_acc"])
+                    continue
+                with torch.no_grad():
+                    out = model(x)
+                if task == "classification":
+                    assert rec[f"{split}_acc"] == pytest.approx(float((out.argmax(1) == y).double().mean()))
+                    loss = torch.nn.functional.cross_entropy(out, y)
+                else:
+                    loss = torch.nn.functional.mse_loss(out, y)
+                assert rec[f"{split}_loss"] == pytest.approx(float(loss), rel=1e-5)
+
+
+def test_a_host_lays_out_a_joint_evaluation_once_and_again_when_a_split_changes():
+    """The passes' inputs of a group evaluated together are gathered once and reused while its clients keep
+    the same split tensors; a replaced split is laid out anew (the records follow the data, not the cache)."""
+    from conftest import tiny
+    from rayfl.experiment import prepare
+    from rayfl.runtime import LocalRuntime
+
+    p = prepare(tiny(algo="fedavg", clients=4, samples_per_client=30))
+    host = LocalRuntime(p, n_hosts=1).hosts[0]
+    glob = p.initial + np.float32(0.01)
+    items = [(c, {"models": {"global": glob}}) for c in host.clients]
+
+    def records():
+        return [{k: v for k, v in up.items() if k != "seconds"} for up in host.run("evaluate", items)[0]]
+
+    first = records()
+    passes = host._layouts["passes"]
+    assert records() == first and host._layouts["passes"] is passes
+    client = host.clients[items[1][0]]
+    xv, yv = client.splits["val"]
+    client.splits["val"] = (xv[1:], yv[1:])  # one validation sample fewer
+    changed = records()
+    assert host._layouts["passes"] is not passes
+    assert changed[1]["n_val"] == first[1]["n_val"] - 1 and changed[0] == first[0]
+    alone = client.evaluate(client.model_of(glob))
+    for k in alone:
+        assert changed[1][k] == pytest.approx(alone[k], rel=1e-6, nan_ok=True), k
 
 
 def test_a_host_evaluates_clients_sharing_the_global_model_together(monkeypatch):
