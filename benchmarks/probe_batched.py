@@ -5,8 +5,10 @@ interleaved pairs; prints the seconds of each. (Result on the 2-core VM: the bat
 slower, so rayfl keeps the loop; see benchmarks/README.md.)
 
     .venv/bin/python benchmarks/probe_batched.py
+    .venv/bin/python benchmarks/probe_batched.py --clients 50 --samples 5   # one actor's share at 1,000 clients
 """
 
+import argparse
 import os
 import sys
 import time
@@ -18,7 +20,11 @@ from torch import nn
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from rayfl.training import FlatSGD, flatten, train_epochs  # noqa: E402
 
-K, N, B, LR = 5, 600, 32, 0.05
+ap = argparse.ArgumentParser(description="batched training of K clients against the per-client loop")
+ap.add_argument("--clients", type=int, default=5)
+ap.add_argument("--samples", type=int, default=600)
+args = ap.parse_args()
+K, N, B, LR = args.clients, args.samples, 32, 0.05
 torch.set_num_threads(1)
 xs = [torch.randn(N, 784) for _ in range(K)]
 ys = [torch.randint(0, 10, (N,)) for _ in range(K)]
