@@ -44,7 +44,6 @@ def main(argv=None) -> int:
         raise SystemExit("cpu_share: error: --rounds={}: at least 20".format(args.rounds))
     if not os.path.isdir(MNIST):
         raise SystemExit(f"cpu_share: error: {MNIST}: the MNIST test set is needed")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     from rayfl.actors.launch import launch
     from rayfl.cli import init_ray, shutdown_ray
     from rayfl.config import make_config
@@ -67,16 +66,16 @@ def main(argv=None) -> int:
         launch(prepared, None, on_round=on_round)
     finally:
         shutdown_ray()
-    (t_a, a), (t_b, b) = marks[first], marks[last]
+    (t_a, cpu_a), (t_b, cpu_b) = marks[first], marks[last]
     n = last - first
     total = 0.0
-    for pid, (name, t) in sorted(b.items()):
-        per_round = (t - a.get(pid, (name, 0.0))[1]) / n * 1e3
+    for pid, (name, t) in sorted(cpu_b.items()):
+        per_round = (t - cpu_a.get(pid, (name, 0.0))[1]) / n * 1e3
         total += per_round
         if per_round >= 0.3:
             print(f"  {per_round:6.1f} ms CPU a round  {name}")
     wall = (t_b - t_a) / n * 1e3
-    steady = statistics.median(b - a for a, b in zip(stamps[first:last], stamps[first + 1:last + 1])) * 1e3
+    steady = statistics.median(e - s for s, e in zip(stamps[first:last], stamps[first + 1:last + 1])) * 1e3
     print(f"all processes: {total:.1f} ms CPU a round over {wall:.1f} ms of wall time ({total / wall:.2f} cores "
           f"of {os.cpu_count()}); steady round (median) {steady:.1f} ms")
     return 0
