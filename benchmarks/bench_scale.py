@@ -73,6 +73,13 @@ print("RESULT " + json.dumps({"stamps": stamps, "startup": stamps[0] - T0, "trac
 '''
 
 
+def workload(clients: int, data_root: str, rounds: int) -> dict:
+    """The rayfl config of this benchmark for ``clients`` clients (``cpu_share.py`` measures the same)."""
+    return {"algo": "fedavg", "dataset": "mnist", "data_root": os.path.abspath(data_root), "partition": "iid",
+            "clients": clients, "samples_per_client": 10, "participation": PARTICIPATION[clients],
+            "model": "mlp-784-200", "rounds": rounds, "lr": 0.05, "batch_size": 32, "experiment": "bench-scale"}
+
+
 def measure(mode: str, values: dict, timeout: float) -> dict:
     """One mode's steady round, peak memory and time to its first round. ``split``: two ``local`` processes
     with half the clients each, started together and never talking: what two cores give this work with no
@@ -129,10 +136,7 @@ def main(argv=None) -> int:
             if k > 1000 or not os.path.isdir(MNIST):
                 root = random_root
                 write_idx(root, 10 * k)
-            values = {"algo": "fedavg", "dataset": "mnist", "data_root": os.path.abspath(root), "partition": "iid",
-                      "clients": k, "samples_per_client": 10, "participation": PARTICIPATION[k],
-                      "model": "mlp-784-200", "rounds": args.rounds, "lr": 0.05, "batch_size": 32,
-                      "experiment": "bench-scale"}
+            values = workload(k, root, args.rounds)
             for rep in range(args.reps):
                 for mode in modes:
                     r = measure(mode, values, args.timeout)

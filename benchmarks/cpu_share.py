@@ -19,8 +19,8 @@ import statistics
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-MNIST = os.path.join(HERE, "..", "..", "shared", "datasets", "mnist-t10k")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_scale import MNIST, workload  # noqa: E402
 
 
 def cpu_by_process() -> dict[int, tuple[str, float]]:
@@ -49,10 +49,7 @@ def main(argv=None) -> int:
     from rayfl.config import make_config
     from rayfl.experiment import prepare
 
-    values = {"algo": "fedavg", "dataset": "mnist", "data_root": os.path.abspath(MNIST), "partition": "iid",
-              "clients": 1000, "samples_per_client": 10, "participation": 0.1, "model": "mlp-784-200",
-              "rounds": args.rounds, "lr": 0.05, "batch_size": 32}
-    prepared = prepare(make_config(None, values))
+    prepared = prepare(make_config(None, workload(1000, MNIST, args.rounds)))
     first, last = 10, args.rounds - 5
     stamps, marks = [], {}
 
