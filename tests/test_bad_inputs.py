@@ -195,7 +195,7 @@ CASES = [
     ("command_unknown", ["fly"], "invalid choice: 'fly'"),
     ("param_no_equals", run("-p", "novalue"), "--param 'novalue': expected KEY=VALUE"),
     ("param_no_key", run("-p", "=3"), "--param '=3': expected KEY=VALUE"),
-    ("param_unknown", run("-p", "nope=1"), "unknown parameter 'nope' for algorithm 'fedavg'"),
+    ("param_unknown", run("-p", "nope=1"), "nope=1: unknown parameter for algorithm 'fedavg'; allowed: "),
     # --- algorithm knobs
     ("fedfomo_M_fraction", run("--algo", "fedfomo", "-p", "M=2.5"), "M=2.5 for algorithm 'fedfomo': must be an integer"),
     ("fedfomo_M_bool", run("--algo", "fedfomo", "-p", "M=true"), "M=True for algorithm 'fedfomo': must be an integer"),

@@ -29,7 +29,7 @@ RAYFL = [sys.executable, "-m", "rayfl.cli"]
     (["run", "--classes-per-client", "11"], "classes_per_client=11"),
     (["run", "--data-root", "/no/such/dir"], "data_root='/no/such/dir': no such directory"),
     (["run", "--dataset", "cifar10", "--data-root", "."], "dataset 'cifar10' needs its files"),
-    (["run", "-p", "nope=1"], "unknown parameter 'nope' for algorithm 'fedavg'"),
+    (["run", "-p", "nope=1"], "nope=1: unknown parameter for algorithm 'fedavg'; allowed: "),
     (["run", "-p", "novalue"], "--param 'novalue': expected KEY=VALUE"),
     (["run", "--config", "/no/such.yaml"], "config file '/no/such.yaml': no such file"),
     (["run", "--resume", "/tmp"], "--resume '/tmp': no config.yaml there"),

@@ -117,7 +117,7 @@ def test_resources_share_the_cluster():
     ({"val_frac": 1.2}, "val_frac=1.2"),
     ({"val_frac": 0.5, "test_frac": 0.5}, "val_frac + test_frac"),
     ({"data_root": "/no/such/dir"}, "data_root='/no/such/dir': no such directory"),
-    ({"params": {"nope": 1}}, "unknown parameter 'nope'"),
+    ({"params": {"nope": 1}}, "nope=1: unknown parameter"),
     ({"lr": -1}, "lr=-1"),
 ])
 def test_config_errors_name_the_value(overrides, fragment):

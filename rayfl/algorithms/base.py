@@ -173,7 +173,8 @@ class Algorithm:
         unknown = sorted(set(values) - set(fields))
         if unknown:
             allowed = ", ".join(sorted(fields)) or "none"
-            raise ValueError(f"unknown parameter {unknown[0]!r} for algorithm {self.name!r}; allowed: {allowed}")
+            key = unknown[0]
+            raise ValueError(f"{key}={values[key]!r}: unknown parameter for algorithm {self.name!r}; allowed: {allowed}")
         converted = {k: _coerce(v, fields[k], self.name) for k, v in values.items()}
         return self.Params(**converted)
 
