@@ -103,7 +103,7 @@ class Bench:
         owner, self.owner = self.owner, None
         if owner is not None:
             flat = self.resident._rayfl_flat if hasattr(self.resident, "_rayfl_flat") else None
-            vec = flat if flat is not None else torch.as_tensor(training.to_vector(self.resident))
+            vec = flat if flat is not None else torch.as_tensor(training.to_vector(self.resident), device=self.device)
             if owner._weights is None:
                 owner._weights = vec.detach().clone()
             else:

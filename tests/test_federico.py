@@ -103,6 +103,15 @@ def test_prediction_is_a_mixture_of_probabilities():
     assert reg.item() == pytest.approx(3.5)
 
 
+def test_the_mixture_runs_where_its_members_are():
+    """On a GPU the members and the inputs are on the client's device, and so must the weights be; the meta
+    device (shapes only) stands in for a GPU this CPU-only suite does not have."""
+    members = [nn.Linear(3, 4).to("meta"), nn.Linear(3, 4).to("meta")]
+    for task in ("classification", "regression"):
+        out = Mixture(members, [0.3, 0.7], task)(torch.zeros(5, 3, device="meta"))
+        assert out.device.type == "meta" and out.shape == (5, 4)
+
+
 def test_weights_concentrate_within_label_groups():
     """6 clients, 2 disjoint label groups of digits: clients of one group share models, clients of different
     groups rarely do. Measured by co-usage (W Wᵀ)_ik = Σ_j w_ij w_kj, because under Eq. 8 a model may come to

@@ -174,7 +174,8 @@ class Algorithm:
         if unknown:
             allowed = ", ".join(sorted(fields)) or "none"
             key = unknown[0]
-            raise ValueError(f"{key}={values[key]!r}: unknown parameter for algorithm {self.name!r}; allowed: {allowed}")
+            raise ValueError(f"{key}={values[key]!r}: unknown parameter for algorithm {self.name!r}; "
+                             f"allowed: {allowed}")
         converted = {k: _coerce(v, fields[k], self.name) for k, v in values.items()}
         return self.Params(**converted)
 

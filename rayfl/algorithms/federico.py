@@ -117,7 +117,9 @@ class Mixture(nn.Module):
     def __init__(self, models: list[nn.Module], weights, task: str):
         super().__init__()
         self.members = nn.ModuleList(models)
-        w = torch.as_tensor(np.asarray(weights, dtype=np.float32))
+        state = [t for m in models[:1] for t in (*m.parameters(), *m.buffers())]
+        device = state[0].device if state else None  # the members' (a client's GPU): w meets their outputs
+        w = torch.as_tensor(np.asarray(weights, dtype=np.float32), device=device)
         self.register_buffer("w", w / w.sum())
         self.task = task
 

@@ -129,22 +129,12 @@ def stage2_generator(seed: int, cid: int) -> torch.Generator:
 
 
 def distill(student, x, y, teacher_logits, lam, T, variant, epochs, batch_size, optimizer, gen) -> float:
-    """Minibatch SGD of the student on the distillation loss (Algorithm 1 lines 12-25); last epoch's mean loss."""
-    student.train()
-    n = x.shape[0]
-    last = float("nan")
-    for _ in range(epochs):
-        order = torch.randperm(n, generator=gen).to(x.device)
-        total = 0.0
-        for start in range(0, n, batch_size):
-            idx = order[start:start + batch_size]
-            optimizer.zero_grad(set_to_none=True)
-            loss = distill_loss(student(x[idx]), teacher_logits[idx], y[idx], lam, T, variant)
-            loss.backward()
-            optimizer.step()
-            total += loss.item() * idx.numel()
-        last = total / max(n, 1)
-    return last
+    """Minibatch SGD of the student on the distillation loss (Algorithm 1 lines 12-25); last epoch's mean loss.
+    Plain training's loop: its batches are of sample indices, so the loss reads each batch's teacher logits
+    and labels."""
+    index = torch.arange(x.shape[0], device=x.device)
+    return training.train_epochs(student, x, index, epochs, batch_size, optimizer,
+                                 lambda out, i: distill_loss(out, teacher_logits[i], y[i], lam, T, variant), gen)
 
 
 # ------------------------------------------------------------------------------------------- driver
@@ -239,7 +229,7 @@ class PersFLClient(FedAvgClient):
             teacher.eval()
             b = training.pass_size(teacher, x, 1024)
             t_logits = torch.cat([teacher(x[i:i + b]) for i in range(0, x.shape[0], b)]) if x.shape[0] \
-                else torch.zeros(0)
+                else torch.zeros(0, device=x.device)
         epochs = p.distill_epochs or s.local_epochs
         best, best_score, best_point, best_loss, grid, lam0 = None, None, None, float("nan"), [], None
         for lam, T in p.grid():
