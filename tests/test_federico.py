@@ -239,6 +239,24 @@ def test_cousage_band_on_ordered_intervals():
     assert m["w_self_mean"] == pytest.approx((0.5 + 0.5 + 1.0) / 3)
 
 
+def test_a_prediction_mixes_the_collaborators_of_weight_at_least_1e_4():
+    """What client i's evaluation is sent, and the mean mixture size logged: own model plus every j != i with
+    w_ij >= 1e-4, counted by hand from a W with weights on both sides of the line."""
+    from rayfl.algorithms.base import RunInfo
+    from rayfl.algorithms.federico import FedericoServer
+
+    info = RunInfo(n_clients=3, rounds=1, participation=1.0, seed=0, n_train=[5] * 3, task="classification")
+    srv = FedericoServer(Params(M=1), info, put=lambda v: v, get=list, rng=np.random.default_rng(0),
+                         initial=np.zeros(2, np.float32))
+    srv.models = {0: "phi0", 1: "phi1", 2: "phi2"}
+    srv.W = np.array([[0.6, 0.4, 0.0], [0.00009, 0.6, 0.39991], [0.0001, 0.0, 0.9999]])
+    peers = {i: m["models"]["peers"] for i, m in srv.eval_messages(None, 0, [0, 1, 2]).items()}
+    assert peers == {0: {1: "phi1"}, 1: {2: "phi2"}, 2: {0: "phi0"}}
+    assert srv.weight_metrics()["mixture_members_mean"] == pytest.approx((2 + 2 + 2) / 3)
+    srv.W[2, 0] = 0.0
+    assert srv.weight_metrics()["mixture_members_mean"] == pytest.approx((2 + 2 + 1) / 3)
+
+
 def test_initial_losses_use_the_whole_train_split_and_loss_sum_scales_by_n():
     """L̂ at t = 0 is every model's mean loss on the FULL train split, not one minibatch (here n = 4 > batch
     2); with ``loss_sum`` (Eq. 3 literally) every loss, at t = 0 and in the E-step, is n_i x the mean."""
