@@ -39,6 +39,7 @@ Choices where paper and spec are silent (each also marked [CHOICE] where it is m
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -117,8 +118,8 @@ class Mixture(nn.Module):
     def __init__(self, models: list[nn.Module], weights, task: str):
         super().__init__()
         self.members = nn.ModuleList(models)
-        state = [t for m in models[:1] for t in (*m.parameters(), *m.buffers())]
-        device = state[0].device if state else None  # the members' (a client's GPU): w meets their outputs
+        first = next(itertools.chain(models[0].parameters(), models[0].buffers()), None)
+        device = first.device if first is not None else None  # the members' (a client's GPU): w meets their outputs
         w = torch.as_tensor(np.asarray(weights, dtype=np.float32), device=device)
         self.register_buffer("w", w / w.sum())
         self.task = task
