@@ -42,9 +42,12 @@ from workload import WORKLOADS, steady, write_idx  # noqa: E402
 
 
 class PeakMemory:
-    """Peak of the summed USS of a process and all its descendants."""
+    """Peak of the summed USS of a process and all its descendants, sampled once a second. Reading USS walks
+    a process's page tables under its memory-map lock; every 0.2 s that doubled the CPU the rayfl driver's
+    MLflow thread measured (8.3-9.5 against 4.3-4.8 ms a round, 1,000 clients) and slowed the round about
+    4%, while the peak read once a second is the same (1.78-1.80 GiB against 1.79-1.82)."""
 
-    def __init__(self, pid: int, interval: float = 0.2):
+    def __init__(self, pid: int, interval: float = 1.0):
         self.root, self.interval, self.peak = psutil.Process(pid), interval, 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)

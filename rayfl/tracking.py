@@ -12,9 +12,10 @@ Everything, from importing MLflow and opening the store and the experiment to cr
 one background thread (:class:`Writer`): a driver starts it while its client actors start, the run exists
 before the first round, and no round waits on the tracking store after that; rounds shorter than a second
 share one call to the store for their metrics and one for their tables; what the thread costs is logged
-with each round (``tracking_cpu_seconds``: its CPU time since the round before). The run is closed
-only after the writer has drained its queue, when the run ends and when it fails, so nothing queued is
-lost. A store that fails ends the run at the next round; a checkpoint waits for the queue; a process killed
+with each round (``tracking_cpu_seconds``: its CPU time since the round before, which holds the batches
+sent so far) and for the whole run (the tag ``rayfl.tracking_cpu_seconds``, the last batch included). The
+run is closed only after the writer has drained its queue, when the run ends and when it fails, so nothing
+queued is lost. A store that fails ends the run at the next round; a checkpoint waits for the queue; a process killed
 outright loses what was queued.
 """
 
@@ -221,6 +222,7 @@ class MlflowTracker(Callback):
         self._staged = False  # round files waiting for it (in self._tmp/staged)
         self._sent = 0.0
         self._cpu_mark = 0.0  # the writer's cpu_seconds when the last round's metrics were made
+        self._cpu_start = 0.0  # ... when the first round began
         self.algo = ""
         self._client = None
         self._tmp = tempfile.mkdtemp(prefix="rayfl-artifacts-")
@@ -362,7 +364,7 @@ class MlflowTracker(Callback):
 
         self._submit(begin)
         self.writer.flush()
-        self._cpu_mark = self.writer.cpu_seconds  # rounds are charged from here: start-up is not tracking's
+        self._cpu_mark = self._cpu_start = self.writer.cpu_seconds  # start-up is not charged to the rounds
 
     def on_setup(self, loop) -> None:
         if loop.setup_metrics:
@@ -408,6 +410,10 @@ class MlflowTracker(Callback):
 
         from rayfl.plots import accuracy_plot
 
+        # what the rounds cost the writer in all, their last batch included (a round's own metric cannot hold
+        # the batches sent after it), the end-of-run artifacts apart: the tag rayfl.tracking_cpu_seconds
+        self.writer.flush()
+        rounds_cpu = self.writer.cpu_seconds - self._cpu_start
         info = loop.prepared.info
         table = pd.DataFrame([{"client": c, "n_train": info.n_train[c],
                                "group": info.groups[c] if info.groups else None, **rec}
@@ -439,6 +445,7 @@ class MlflowTracker(Callback):
 
         self._submit(job)
         self._close()
+        self._client.set_tag(self.run_id, "rayfl.tracking_cpu_seconds", f"{rounds_cpu:.6f}")
         self._client.set_terminated(self.run_id)
 
     def on_checkpoint(self, loop) -> None:

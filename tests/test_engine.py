@@ -389,6 +389,35 @@ def test_each_round_logs_what_tracking_cost_it(tmp_path):
     assert sum(values) < 2.0  # the store's opening (seconds of imports) is not charged to the rounds
 
 
+def test_the_run_tags_what_tracking_cost_its_rounds_last_batch_included(tmp_path, monkeypatch):
+    """Metrics wait for a batch (here: all of them, for the end), so no round's own tracking_cpu_seconds can
+    hold that batch; the tag rayfl.tracking_cpu_seconds does. Sending a batch is made to cost 0.2 s of CPU."""
+    import time
+
+    from rayfl import tracking
+
+    monkeypatch.setattr(tracking, "METRICS_EVERY", 1e9)  # every metric goes in the last batch
+    sends = []
+    real = MlflowTracker._log_items
+
+    def costly(self, items):
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < 0.2:
+            pass
+        sends.append(len(items))
+        real(self, items)
+
+    monkeypatch.setattr(MlflowTracker, "_log_items", costly)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    p = prepare(tiny(algo="fedavg", clients=4, rounds=3))
+    tracker = MlflowTracker(uri, experiment="t")
+    Loop(p, LocalRuntime(p), [tracker]).run()
+    client = MlflowClient(uri)
+    rounds = sum(m.value for m in client.get_metric_history(tracker.run_id, "tracking_cpu_seconds"))
+    total = float(client.get_run(tracker.run_id).data.tags["rayfl.tracking_cpu_seconds"])
+    assert sends and rounds < 0.2 <= total - rounds < 0.2 * len(sends) + 0.1
+
+
 DRIVER_SIDE = r"""
 import pickle, sys
 from rayfl.actors.driver import DriverActor
