@@ -15,8 +15,8 @@ share one call to the store for their metrics and one for their tables; what the
 with each round (``tracking_cpu_seconds``: its CPU time since the round before, which holds the batches
 sent so far) and for the whole run (the tag ``rayfl.tracking_cpu_seconds``, the last batch included). The
 run is closed only after the writer has drained its queue, when the run ends and when it fails, so nothing
-queued is lost. A store that fails ends the run at the next round; a checkpoint waits for the queue; a process killed
-outright loses what was queued.
+queued is lost. A store that fails ends the run at the next round; a checkpoint waits for the queue; a
+process killed outright loses what was queued.
 """
 
 from __future__ import annotations
