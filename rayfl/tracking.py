@@ -13,10 +13,11 @@ one background thread (:class:`Writer`): a driver starts it while its client act
 before the first round, and no round waits on the tracking store after that; rounds shorter than a second
 share one call to the store for their metrics and one for their tables; what the thread costs is logged
 with each round (``tracking_cpu_seconds``: its CPU time since the round before, which holds the batches
-sent so far) and for the whole run (the tag ``rayfl.tracking_cpu_seconds``, the last batch included). The
-run is closed only after the writer has drained its queue, when the run ends and when it fails, so nothing
-queued is lost. A store that fails ends the run at the next round; a checkpoint waits for the queue; a
-process killed outright loses what was queued.
+sent so far) and for all rounds (the tag ``rayfl.tracking_cpu_seconds``, the last batch included; after a
+driver restart, the rounds of the driver that ended the run). The run is closed only after the writer has
+drained its queue, when the run ends and when it fails, so nothing queued is lost. A store that fails ends
+the run at the next round; a checkpoint waits for the queue; a process killed outright loses what was
+queued.
 """
 
 from __future__ import annotations
