@@ -23,7 +23,11 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-MNIST = os.path.join(HERE, "..", "..", "shared", "datasets", "mnist-t10k")
+sys.path.insert(0, os.path.join(HERE, "peers"))
+sys.path.insert(0, HERE)
+from bench_scale import MNIST  # noqa: E402
+from runs import run_experiment  # noqa: E402
+from workload import steady  # noqa: E402
 
 
 class GpuSampler:
@@ -64,33 +68,16 @@ def run_mode(mode: str, args, sampler: GpuSampler | None) -> dict:
     from rayfl.config import make_config
     from rayfl.experiment import prepare
 
-    prepared = prepare(make_config(None, config(args)))
-    stamps: list[float] = []
     placement: list[dict] = []
-
-    def on_round(event):  # on Ray, the driver stamps a round when it ends (it is seen up to 0.25 s later)
-        stamps.append(event.get("time", time.time()))
 
     def on_event(event):
         if event.get("event") == "start":
             placement.extend(event["placement"])
 
-    device = "cpu" if args.cpu else "cuda"
-    if mode == "rayfl":
-        from rayfl.actors.launch import launch
-        from rayfl.cli import init_ray, shutdown_ray
-
-        init_ray(None)
-        try:
-            launch(prepared, None, on_round=on_round, on_event=on_event)
-        finally:
-            shutdown_ray()
-    else:
-        from rayfl.inprocess import run_in_process
-
-        run_in_process(prepared, None, on_round=on_round, device=device)
-    steady = [b - a for a, b in zip(stamps[1:], stamps[2:])]  # rounds 3..end
-    out = {"mode": mode, "steady": statistics.median(steady), "placement": placement}
+    runtime = "local" if mode == "local" else "ray"
+    _, stamps = run_experiment(prepare(make_config(None, config(args))), runtime,
+                               device="cpu" if args.cpu else "cuda", on_event=on_event)
+    out = {"mode": mode, "steady": steady(stamps), "placement": placement}
     if sampler is not None:
         window = sampler.between(stamps[1], stamps[-1])
         out["busy"] = statistics.mean(s[1] for s in window) if window else float("nan")

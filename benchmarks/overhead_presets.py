@@ -19,11 +19,14 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-MNIST = os.path.join(HERE, "..", "..", "shared", "datasets", "mnist-t10k")
+sys.path.insert(0, os.path.join(HERE, "peers"))
+sys.path.insert(0, HERE)
+from bench_scale import MNIST  # noqa: E402
+from runs import run_experiment  # noqa: E402
+from workload import steady  # noqa: E402
 
 # (preset, algorithm, its knobs beyond the preset's, the row's name)
 ROWS = [("fedfomo-pathological", "fedavg", {}, "FedAvg"),
@@ -36,29 +39,17 @@ ROWS = [("fedfomo-pathological", "fedavg", {}, "FedAvg"),
 def one_run(preset: str, algo: str, params: dict, data_root: str, rounds: int | None, runtime: str) -> dict:
     """One experiment of ``rayfl compare --preset PRESET --algos ALGO`` on Ray or (``local``) in this process:
     its steady round and last metrics."""
-    from rayfl.actors.launch import launch
-    from rayfl.cli import init_ray, shutdown_ray
     from rayfl.comparison.run import build_configs
     from rayfl.experiment import prepare
-    from rayfl.inprocess import run_in_process
     from rayfl.tracking import ensure_experiment
 
     flags = {"data_root": os.path.abspath(data_root), **({"rounds": rounds} if rounds else {})}
     (cfg,) = build_configs([algo], [0], preset, params=params, **flags)
-    stamps: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         uri = f"sqlite:///{tmp}/mlflow.db"
         tracking = {"tracking_uri": uri, "experiment_id": ensure_experiment(uri, "overhead"), "run_name": algo}
-        if runtime == "local":
-            out = run_in_process(prepare(cfg), tracking, on_round=lambda rec: stamps.append(time.time()))
-        else:
-            init_ray(None)
-            try:
-                out = launch(prepare(cfg), tracking, on_round=lambda rec: stamps.append(rec["time"]))
-            finally:
-                shutdown_ray()
-    walls = [b - a for a, b in zip(stamps[1:], stamps[2:])]  # rounds 3..end
-    return {"steady": statistics.median(walls), "last": out["history"][-1]}
+        out, stamps = run_experiment(prepare(cfg), runtime, tracking)
+    return {"steady": steady(stamps), "last": out["history"][-1]}
 
 
 def main(argv=None) -> int:
