@@ -197,7 +197,8 @@ class FedericoServer(Server):
         it, so a model can end up serving another group than its owner's (EM label switching). On the sine toy
         (Fig. 1: weights concentrate on neighbouring intervals) the band is measured the same way: co-usage of
         adjacent intervals (|g_i - g_k| = 1) against intervals two or more apart."""
-        out = {"w_self_mean": float(np.mean(np.diag(self.W))), "mixture_members_mean": self.members_mean()}
+        out = {"w_self_mean": float(np.mean(np.diag(self.W))),
+               "mixture_members_mean": float(1 + self.mixes().sum(1).mean())}  # own model included
         if self.info.groups is not None:
             g = np.asarray(self.info.groups)
             same = g[:, None] == g[None, :]
@@ -211,18 +212,16 @@ class FedericoServer(Server):
                 out["cousage_far_mean"] = float(C[gap >= 2].mean()) if (gap >= 2).any() else float("nan")
         return out
 
-    def members(self, i: int) -> list[int]:
-        """The collaborators whose models client i's prediction mixes with its own: weight at least
-        PRED_MIN_WEIGHT (the paper: the others' weights are (almost) 0)."""
-        return [j for j in range(self.info.n_clients) if j != i and self.W[i, j] >= PRED_MIN_WEIGHT]
-
-    def members_mean(self) -> float:
-        """Models in a client's prediction, own included, averaged over clients: its evaluation costs that many
-        forward passes of each sample."""
-        return float(np.mean([1 + len(self.members(i)) for i in range(self.info.n_clients)]))
+    def mixes(self) -> np.ndarray:
+        """mixes[i, j]: client i's prediction mixes collaborator j's model with its own, w_ij at least
+        PRED_MIN_WEIGHT (the paper: the others' weights are (almost) 0). A row's count plus one is what a
+        client's evaluation costs in forward passes of each sample."""
+        return (self.W >= PRED_MIN_WEIGHT) & ~np.eye(len(self.W), dtype=bool)
 
     def eval_messages(self, stage, rnd, cids):
-        return {i: {"models": {"peers": {j: self.models[j] for j in self.members(i)}}} for i in cids}
+        mixes = self.mixes()
+        return {i: {"models": {"peers": {int(j): self.models[int(j)] for j in np.flatnonzero(mixes[i])}}}
+                for i in cids}
 
     def round_artifacts(self, rnd):
         return {"W": self.W.copy()}
