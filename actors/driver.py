@@ -24,10 +24,11 @@ class RoundQueue(Callback):
     def __init__(self):
         self._lock = threading.Lock()
         self._items: list[dict] = []
+        self.node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
     def push(self, item: dict) -> None:
         with self._lock:
-            self._items.append({**item, "time": time.time(), "driver_pid": os.getpid()})
+            self._items.append({**item, "time": time.time(), "driver_pid": os.getpid(), "driver_node": self.node})
 
     def on_start(self, loop) -> None:  # placement: each client actor's node, pid, GPUs and clients
         self.push({"event": "start", "start_step": loop.start_step, "total": len(loop.schedule()),
@@ -48,11 +49,21 @@ class RoundQueue(Callback):
         return items
 
 
-def wait_for_actors(actors: list, report, every: float = 1.0) -> None:
-    """Block until every actor has been constructed, reporting ``{"event": "actors", "ready", "total"}``
-    as they come up (the submitter reported 0 when it asked for them); an actor whose constructor failed
-    raises here."""
-    pending = [a.__ray_ready__.remote() for a in actors]  # Ray's built-in no-op method of every actor
+def wait_for_actors(actors: list, report, timeout: float, every: float = 1.0) -> None:
+    """Block until every actor has been placed and has built its clients, reporting ``{"event": "actors",
+    "ready", "total"}`` as they come up (the submitter reported 0 when it asked for them). NoCapacity when they
+    are not all placed within ``timeout`` seconds (capacity_wait: no room for them on the cluster, nor on a
+    node an autoscaler added); an actor whose clients failed to build raises here."""
+    from rayfl.loop import NoCapacity
+
+    placed = [a.__ray_ready__.remote() for a in actors]  # Ray's built-in no-op method: answers once placed
+    deadline = time.monotonic() + timeout
+    while placed:
+        _, placed = ray.wait(placed, num_returns=len(placed), timeout=max(0.0, min(every, deadline - time.monotonic())))
+        if placed and time.monotonic() >= deadline:
+            raise NoCapacity(f"{len(placed)} of {len(actors)} client actors not placed within capacity_wait="
+                             f"{timeout:g}s (no room for them on the cluster; it has {_free()} free)")
+    pending = [a.info.remote() for a in actors]  # builds each actor's clients (actors.client)
     total, ready = len(pending), 0
     while pending:
         done, pending = ray.wait(pending, num_returns=len(pending), timeout=every)
@@ -60,6 +71,11 @@ def wait_for_actors(actors: list, report, every: float = 1.0) -> None:
             ray.get(done)
             ready += len(done)
             report({"event": "actors", "ready": ready, "total": total})
+
+
+def _free() -> str:
+    free = ray.available_resources()
+    return ", ".join(f"{free.get(k, 0.0):g} {k}" for k in ("CPU", "GPU"))
 
 
 @ray.remote(max_concurrency=2)
@@ -77,7 +93,7 @@ class DriverActor:
         """The whole run over the client actors ``actors`` (started by the submitter right after this driver)."""
         from rayfl.actors.runtime import RayRuntime
         from rayfl.inprocess import execute
-        from rayfl.loop import Loop
+        from rayfl.loop import Loop, NoCapacity
         from rayfl.tracking import MlflowTracker
 
         tracker = self.tracker = (MlflowTracker(**self.tracking, run_id=self.resume.get("run_id"))
@@ -85,7 +101,16 @@ class DriverActor:
         if tracker:
             tracker.open()  # MLflow opens in the background, while the client actors start
         runtime = RayRuntime(self.prepared, actors, self.resources)
-        wait_for_actors(runtime.actors, self.queue.push)
+        runtime.notify = self.queue.push
+        try:
+            wait_for_actors(runtime.actors, self.queue.push, self.prepared.cfg.capacity_wait)
+        except NoCapacity as e:  # e.g. a driver started again after its node was lost, with no room left
+            if self.checkpoint_dir and Loop.has_checkpoint(self.checkpoint_dir):
+                e.checkpoint = (self.checkpoint_dir,
+                                Loop.read_checkpoint(self.checkpoint_dir, self.prepared.cfg)["step"])
+            if tracker:
+                tracker.fail()
+            raise
         callbacks = [tracker, self.queue] if tracker else [self.queue]
         self.loop = Loop(self.prepared, runtime, callbacks, self.checkpoint_dir)
         return execute(self.loop, tracker)

@@ -19,9 +19,13 @@ import ray
 
 from rayfl.actors.driver import DriverActor
 from rayfl.actors.resources import DRIVER_CPUS, n_actors_for, plan_actor_resources, preflight
-from rayfl.actors.runtime import start_client_actors
+from rayfl.actors.runtime import dead_nodes, start_client_actors
 from rayfl.config import UserError
+from rayfl.loop import NoCapacity
 from rayfl.progress import stderr_into
+
+
+DRIVER_START_SECONDS = 120  # a driver actor answers its first poll once started (MLflow, torch imports)
 
 
 class DriverLost(RuntimeError):
@@ -58,7 +62,7 @@ def launch(prepared, tracking: dict | None, checkpoint_dir: str | None = None,
     ds = prepared.dataset
     x_ref, y_ref = ray.put(ds.x), ray.put(ds.y)
     light = dataclasses.replace(prepared, dataset=dataclasses.replace(ds, x=None, y=None))
-    seen = {"run_id": None, "step": -1, "since": time.time()}
+    seen = {"run_id": None, "step": -1, "since": time.time(), "tracking": tracking}
     for attempt in range(cfg.max_restarts + 1):
         resume = {"run_id": _run_id(seen, checkpoint_dir)} if attempt else None
         # the driver and the client actors start side by side (each is a process that imports torch); the
@@ -70,18 +74,21 @@ def launch(prepared, tracking: dict | None, checkpoint_dir: str | None = None,
         if on_event:
             on_event({"event": "actors", "ready": 0, "total": n_actors, "time": time.time()})
         try:
-            result = _follow(driver, actors, seen, on_round, on_event, poll_seconds, stop_grace_seconds)
+            result = _follow(driver, actors, seen, on_round, on_event, poll_seconds, stop_grace_seconds,
+                             cfg.capacity_wait + DRIVER_START_SECONDS)
         except ray.exceptions.RayActorError as e:
             if isinstance(e, ray.exceptions.RayTaskError):  # the run failed inside a live driver
                 raise
             lost = e
             left = cfg.max_restarts - attempt
-            print(f"rayfl: the driver actor died ({_first_line(e)}); "
+            gone = dead_nodes([seen["driver_node"]]) if seen.get("driver_node") else []
+            why = f"its node {gone[0]} left the cluster" if gone else _first_line(e)
+            print(f"rayfl: the driver actor died ({why}); "
                   + (f"starting a new one from the last checkpoint ({left} restart(s) left)" if left else
                      f"giving up after max_restarts={cfg.max_restarts}"), file=sys.stderr, flush=True)
             continue
         except ray.exceptions.RayTaskError as e:
-            if isinstance(e.cause, UserError):
+            if isinstance(e.cause, (UserError, NoCapacity)):
                 raise e.cause from None
             raise
         finally:
@@ -112,19 +119,29 @@ def _ray_warnings_to_log():
 
 
 def _follow(driver, actors: list, seen: dict, on_round, on_event, poll_seconds: float,
-            stop_grace_seconds: float) -> dict:
-    """Run the driver over ``actors`` to its end, passing on each round not shown before; its result."""
+            stop_grace_seconds: float, silence_seconds: float) -> dict:
+    """Run the driver over ``actors`` to its end, passing on each round not shown before; its result.
+    A driver that does not answer a poll for ``silence_seconds`` (no room for it to start) ends the run."""
     done = driver.run.remote(actors)
     try:
         while True:
             ready, _ = ray.wait([done], timeout=poll_seconds)
-            polled = ray.get(driver.poll.remote())
+            asked = driver.poll.remote()
+            answered, _ = ray.wait([asked], timeout=silence_seconds)
+            if not answered:
+                raise NoCapacity(f"the driver actor did not answer for {silence_seconds:g}s (capacity_wait plus "
+                                 f"{DRIVER_START_SECONDS}s to start): no room for it on the cluster?")
+            polled = ray.get(asked)
             seen["run_id"] = polled["run_id"] or seen["run_id"]
             for rec in polled["records"]:
+                seen["driver_node"] = rec.get("driver_node") or seen.get("driver_node")
                 if rec.get("event") == "client_restart":
                     print(f"rayfl: client actor lost in round {rec['step'] + 1} ({rec['cause']}); restarted, every "
                           f"client restored to round {rec['from_step'] + 1} and replayed "
                           f"(restart {rec['restarts']} of at most {rec['max_restarts']})", file=sys.stderr, flush=True)
+                elif rec.get("event") == "waiting_for_room":
+                    print(f"rayfl: {rec['what']}; waiting up to {rec['seconds']:g}s for room (capacity_wait)",
+                          file=sys.stderr, flush=True)
                 elif "event" in rec:
                     if on_event:
                         on_event(rec)
@@ -140,17 +157,23 @@ def _follow(driver, actors: list, seen: dict, on_round, on_event, poll_seconds: 
         _stop(driver, done, stop_grace_seconds)
         raise
     except BaseException:
-        # Interrupted here (Ctrl-C, a failing callback): let the driver close its MLflow run cleanly.
-        _stop(driver, done, stop_grace_seconds)
+        # Interrupted here (Ctrl-C, a failing callback): let the driver close its MLflow run cleanly; a driver
+        # still in a round after the grace is killed, and its run closed as KILLED here (what it sent is kept).
+        if not _stop(driver, done, stop_grace_seconds) and seen.get("tracking") and seen["run_id"]:
+            from rayfl.tracking import close_run
+
+            close_run(seen["tracking"]["tracking_uri"], seen["run_id"], "KILLED")
         raise
 
 
-def _stop(driver, done, grace: float) -> None:
+def _stop(driver, done, grace: float) -> bool:
+    """Ask the driver to stop; whether its run ended within ``grace`` seconds."""
     try:
         driver.stop.remote()
-        ray.wait([done], timeout=grace)
+        ready, _ = ray.wait([done], timeout=grace)
+        return bool(ready)
     except ray.exceptions.RayError:
-        pass
+        return True
 
 
 def _run_id(seen: dict, checkpoint_dir: str | None) -> str | None:

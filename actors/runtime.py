@@ -1,8 +1,16 @@
 """RayRuntime: the clients live in ClientActors; one actor call per host per step, gathered at once.
 
-Client actors are restartable (Ray re-creates a dead one with the same arguments): a call that meets a
-dead actor, or an object it owned, raises :class:`~rayfl.runtime.ClientsLost`, and the loop restores every
-client from its last snapshot (:meth:`save_clients`) and replays the rounds since.
+Client actors are restartable (Ray re-creates a dead one with the same arguments, on any node with room
+for it): a call that meets a dead actor, a restarted one, or an object it owned, raises
+:class:`~rayfl.runtime.ClientsLost`, and the loop restores every client from its last snapshot
+(:meth:`save_clients`) and replays the rounds since.
+
+What must outlive a node: a snapshot's client states are copied into this (the driver's) process once the
+round they belong to is done (:meth:`keep_clients`); the return value of an actor call lives in the object
+store of the actor's node, and is gone with it. The actors' constructor arguments are passed by value, or
+are the submitter's ``ray.put`` objects (the data, the initial model), held where the submitter runs.
+A lost actor that finds no room is waited for ``capacity_wait`` seconds (an autoscaler may add a node),
+then the run ends with :class:`~rayfl.loop.NoCapacity`.
 """
 
 from __future__ import annotations
@@ -15,23 +23,27 @@ import ray
 from rayfl.actors.client import ClientActor
 from rayfl.actors.handles import resolve
 from rayfl.actors.resources import ActorResources
-from rayfl.runtime import ClientsLost, Pending, SaveChain, assign_hosts, gather, group_by_host, pack
+from rayfl.batch import pack
+from rayfl.loop import NoCapacity
+from rayfl.runtime import ClientsLost, Pending, SaveChain, assign_hosts, gather, group_by_host
 
 
 def start_client_actors(prepared, x_ref, y_ref, resources: ActorResources, n_actors: int,
                         actor_options: list[dict] | None = None) -> tuple[list, list]:
     """Ask Ray for the client actors of a run, the clients spread evenly (:func:`assign_hosts`); returns at
-    once with the handles and the refs of their constructor arguments, which the caller keeps for as long as
-    the actors may restart (Ray re-creates a dead actor from them, but does not keep them itself).
+    once with the handles and the refs of their shared constructor arguments, which the caller keeps for as
+    long as the actors may restart (Ray re-creates a dead actor from them, but does not keep them itself).
+    Each actor's own clients go by value: Ray keeps those with the actor, for its restarts.
     ``actor_options[i]``: extra ``.options`` for actor i (a Tune trial's placement-group bundle)."""
     cfg, fed = prepared.cfg, prepared.federation
     initial_ref = ray.put(prepared.initial)
-    blocks = [ray.put({c: fed.clients[c] for c in block}) for block in assign_hosts(cfg.clients, n_actors)]
+    blocks = [{c: fed.clients[c] for c in block} for block in assign_hosts(cfg.clients, n_actors)]
     actors = [ClientActor.options(**resources.options(), max_restarts=cfg.max_restarts,
                                   **(actor_options[h] if actor_options else {})).remote(
-                  cfg, prepared.model_spec, prepared.info.task, x_ref, y_ref, block, initial_ref, fed.holdout)
+                  cfg, prepared.model_spec, prepared.info.task, x_ref, y_ref, block, initial_ref, fed.holdout,
+                  plugins=prepared.plugins)
               for h, block in enumerate(blocks)]
-    return actors, [x_ref, y_ref, initial_ref, *blocks]
+    return actors, [x_ref, y_ref, initial_ref]
 
 
 class RayRuntime:
@@ -42,9 +54,31 @@ class RayRuntime:
         blocks = assign_hosts(prepared.cfg.clients, len(actors))
         self.host_of = {c: h for h, block in enumerate(blocks) for c in block}
         self.resources = resources
+        self.capacity_wait = prepared.cfg.capacity_wait
         self.actors = list(actors)
+        self.tokens: list[str | None] = [None] * len(self.actors)  # each actor's process, as last loaded
+        self.nodes: list[str | None] = [None] * len(self.actors)  # where each actor was last seen
         self.saves = SaveChain()
+        self.notify = lambda event: None  # the driver's queue to its submitter: a wait for room is shown
 
+    # --- which process answered -------------------------------------------------------------------
+    def _same(self, h: int, token: str) -> None:
+        """An answer from actor ``h``'s process ``token``: ClientsLost when Ray has restarted the actor since
+        its clients were last loaded (a fresh process holds initial clients, not the run's)."""
+        if self.tokens[h] is None:
+            self.tokens[h] = token
+        elif self.tokens[h] != token:
+            raise ClientsLost(f"client actor {h} was restarted (on node {self._node_text(h)})")
+
+    def _node_text(self, h: int) -> str:
+        return (self.nodes[h] or "unknown")[:12]
+
+    def _values(self, hosts: list[int], answers: list[tuple]) -> list:
+        for h, (token, _) in zip(hosts, answers):
+            self._same(h, token)
+        return [value for _, value in answers]
+
+    # --- calls ------------------------------------------------------------------------------------
     def call(self, step, messages, reduce=None):
         return self.submit(step, messages, reduce).result()
 
@@ -54,8 +88,8 @@ class RayRuntime:
 
         def wait():
             with clients_lost():
-                results = ray.get(refs)
-            return gather(batches, results, reduce)
+                answers = ray.get(refs)
+            return gather(batches, self._values(list(batches), answers), reduce)
 
         return Pending(wait)
 
@@ -68,51 +102,97 @@ class RayRuntime:
 
     def client_states(self):
         with clients_lost():
-            parts = ray.get([a.state.remote() for a in self.actors])
+            parts = self._values(list(range(len(self.actors))), ray.get([a.state.remote() for a in self.actors]))
         return {cid: blob for part in parts for cid, blob in part.items()}
 
     def load_client_states(self, states):
         with clients_lost():
-            ray.get([a.load_state.remote({c: s for c, s in states.items() if self.host_of[c] == h})
-                     for h, a in enumerate(self.actors)])
+            tokens = ray.get([a.load_state.remote({c: s for c, s in states.items() if self.host_of[c] == h})
+                              for h, a in enumerate(self.actors)])
+        self.tokens = list(tokens)  # the clients now are what was loaded, in these processes
 
+    def client_vectors(self):
+        with clients_lost():
+            parts = self._values(list(range(len(self.actors))), ray.get([a.vectors.remote() for a in self.actors]))
+        return {cid: v for part in parts for cid, v in part.items()}
+
+    # --- snapshots --------------------------------------------------------------------------------
     def save_clients(self):
-        """One call per actor, not waited for: the results are owned by this process, so they outlive an actor
-        that dies afterwards (they stay in the object store of its node)."""
+        """One call per actor, not waited for; :meth:`keep_clients` copies the results here once the round
+        is done (until then they live on the actors' nodes)."""
         full = self.saves.next_is_full()
         return self.saves.add([a.save.remote(full) for a in self.actors], full)
+
+    def keep_clients(self, saved) -> None:
+        """Make a snapshot outlive any client node: every save of the chain still in the object store is
+        fetched into this process, in place (the runtime's chain shares its lists, so later snapshots that
+        extend it hold the copies too). ClientsLost when a save died with its actor, or came from a process
+        Ray restarted: the snapshot is then not one to keep."""
+        pending = [(parts, h, ref) for parts in saved for h, ref in enumerate(parts) if isinstance(ref, ray.ObjectRef)]
+        if not pending:
+            return
+        with clients_lost():
+            answers = ray.get([ref for _, _, ref in pending])
+        for (parts, h, _), (token, value) in zip(pending, answers):
+            self._same(h, token)
+            parts[h] = value
 
     def restore_clients(self, saved):
         with clients_lost():  # a restarted actor that died again, or a snapshot that died with its actor
             self.await_actors()
-            ray.get([a.load_state.remote(*SaveChain.of_host(saved, h)) for h, a in enumerate(self.actors)])
+            # kept snapshots only (keep_clients): the states go by value, from this process
+            tokens = ray.get([a.load_state.remote(*SaveChain.of_host(saved, h)) for h, a in enumerate(self.actors)])
+        self.tokens = list(tokens)
         self.saves.reset(saved)
 
-    def await_actors(self, timeout_s: float = 300.0) -> None:
-        """Wait while Ray restarts dead actors (a call meanwhile fails with ActorUnavailableError)."""
-        deadline = time.monotonic() + timeout_s
-        pending = list(self.actors)
+    def await_actors(self) -> None:
+        """Wait while Ray restarts dead actors (a call meanwhile fails with ActorUnavailableError), at most
+        ``capacity_wait`` seconds for them to be placed: an actor lost with its node waits for room on another
+        node, which may never come (then NoCapacity, naming the lost node). Their clients are built after."""
+        start = time.monotonic()
+        deadline, told = start + self.capacity_wait, False
+        pending = {h: a.__ray_ready__.remote() for h, a in enumerate(self.actors)}
         while pending:
-            ready = []
-            for a in pending:
+            if not told and time.monotonic() - start > NOTICE_AFTER:  # not a quick restart: say what it waits for
+                self.notify({"event": "waiting_for_room", "what": self._lost_text(sorted(pending)),
+                             "seconds": self.capacity_wait})
+                told = True
+            ready, _ = ray.wait(list(pending.values()), num_returns=len(pending),
+                                timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+            for h, ref in list(pending.items()):
+                if ref not in ready:
+                    continue
                 try:
-                    ray.get(a.info.remote())
-                    ready.append(a)
-                except ray.exceptions.ActorUnavailableError:
-                    if time.monotonic() > deadline:
-                        raise
-            pending = [a for a in pending if a not in ready]
-            if pending:
+                    ray.get(ref)
+                    del pending[h]
+                except ray.exceptions.ActorUnavailableError:  # restarting: ask again
+                    pending[h] = self.actors[h].__ray_ready__.remote()
+            if pending and time.monotonic() >= deadline:
+                raise NoCapacity(self._no_room(sorted(pending)))
+            if pending and ready:
                 time.sleep(0.2)
+        for h, info in enumerate(ray.get([a.info.remote() for a in self.actors])):
+            self.nodes[h] = info["node_id"]
 
-    def client_vectors(self):
-        with clients_lost():
-            parts = ray.get([a.vectors.remote() for a in self.actors])
-        return {cid: v for part in parts for cid, v in part.items()}
+    def _lost_text(self, hosts: list[int]) -> str:
+        lost = dead_nodes({self.nodes[h] for h in hosts if self.nodes[h]})
+        clients = sorted(c for c, h in self.host_of.items() if h in hosts)
+        where = (f"lost with node {', '.join(lost)}" if lost else
+                 f"last on node {', '.join(sorted({self._node_text(h) for h in hosts}))}")
+        return (f"client actor(s) {', '.join(map(str, hosts))} (clients {_ranges(clients)}, "
+                f"{self.resources.num_cpus:g} CPU and {self.resources.num_gpus:g} GPU each) {where}")
 
+    def _no_room(self, hosts: list[int]) -> str:
+        return f"{self._lost_text(hosts)}; no room for them came up within capacity_wait={self.capacity_wait:g}s"
+
+    # --- the rest ---------------------------------------------------------------------------------
     def placement(self):
         infos = ray.get([a.info.remote() for a in self.actors])
-        return [{"actor": h, "num_cpus": self.resources.num_cpus, "num_gpus": self.resources.num_gpus, **info}
+        for h, info in enumerate(infos):
+            self.nodes[h] = info["node_id"]
+            self._same(h, info["token"])
+        return [{"actor": h, "num_cpus": self.resources.num_cpus, "num_gpus": self.resources.num_gpus,
+                 **{k: v for k, v in info.items() if k != "token"}}
                 for h, info in enumerate(infos)]
 
     def shutdown(self):
@@ -121,6 +201,25 @@ class RayRuntime:
         self.actors = []
 
 
+def dead_nodes(node_ids) -> list[str]:
+    """Those of ``node_ids`` that the cluster no longer counts alive (shown as Ray shows node ids)."""
+    alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    return sorted(n for n in node_ids if n not in alive)
+
+
+def _ranges(ids: list[int]) -> str:
+    """0, 1, 2, 5 as '0-2, 5'."""
+    out, start = [], None
+    for i, c in enumerate(ids):
+        if start is None:
+            start = c
+        if i + 1 == len(ids) or ids[i + 1] != c + 1:
+            out.append(f"{start}-{c}" if c != start else f"{c}")
+            start = None
+    return ", ".join(out)
+
+
+NOTICE_AFTER = 3.0  # seconds of waiting for a restarted actor before the submitter is told what it waits for
 LOST = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)
 
 

@@ -1,4 +1,4 @@
-"""Clients sharing one GPU (issue 9, point 7): McMahan's CNN on MNIST, 15 clients, default placement. Each
+"""Clients sharing one GPU: McMahan's CNN on MNIST, 15 clients, default placement. Each
 client actor gets a fraction of the GPU through Ray's ``num_gpus`` and sees it through its own
 ``CUDA_VISIBLE_DEVICES``; this prints what each actor saw, the steady round (median of rounds 3..end), and
 how busy the GPU was meanwhile (``nvidia-smi`` sampled every 100 ms), against the same rounds run in one

@@ -1,5 +1,5 @@
-"""rayfl against the fastest FL simulator (pfl-research 0.6), raw Ray actors and, optionally, Flower, on the
-same FedAvg work, interleaved in one sitting. It is how the engine's speed is judged (issue 9).
+"""rayfl against the fastest FL simulator (pfl-research 0.6) and raw Ray actors on the same FedAvg work,
+interleaved in one sitting. It is how the engine's speed is judged.
 
 Workloads (benchmarks/peers/workload.py): random 28x28 inputs, K clients x N samples (60% train, 20%
 validation, 20% test), batch 32, SGD lr 0.05, one local epoch; every round trains every client, then
@@ -17,9 +17,7 @@ and peak memory (the summed USS of the whole process tree, sampled every 0.2 s).
     .venv/bin/python benchmarks/bench_peers.py                                    # all, 3 repetitions
     .venv/bin/python benchmarks/bench_peers.py --workload mlp100 --systems rayfl,pfl --reps 1
 
-pfl is a benchmark extra (``pip install -e '.[bench]'``), never a runtime dependency. Flower runs only if
-``--flower-python`` names a Python with ``flwr[simulation]`` installed (its own venv); it is not measured
-otherwise.
+pfl is a benchmark extra (``pip install -e '.[bench]'``), never a runtime dependency.
 """
 
 from __future__ import annotations
@@ -32,7 +30,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 
 import psutil
 
@@ -76,6 +73,9 @@ class PeakMemory:
         self._thread.join()
 
 
+SYSTEMS = ("rayfl", "pfl", "ray")
+
+
 def command(system: str, workload: str, data_root: str, rounds: int, args) -> list[str]:
     py = sys.executable
     common = ["--workload", workload, "--data-root", data_root, "--rounds", str(rounds)]
@@ -86,8 +86,6 @@ def command(system: str, workload: str, data_root: str, rounds: int, args) -> li
                 os.path.join(HERE, "peers", "run_pfl.py"), *common]
     if system == "ray":
         return [py, os.path.join(HERE, "peers", "run_ray.py"), *common]
-    if system == "flower":
-        return [args.flower_python, os.path.join(HERE, "peers", "run_flower.py"), *common]
     raise SystemExit(f"unknown system {system!r}")
 
 
@@ -130,18 +128,17 @@ def run_one(system: str, workload: str, data_root: str, rounds: int, args) -> di
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workload", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
-    ap.add_argument("--systems", default="rayfl,pfl,ray", help="comma-separated: rayfl, pfl, ray, flower")
+    ap.add_argument("--systems", default="rayfl,pfl,ray", help="comma-separated: rayfl, pfl, ray")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="extra rayfl config values (e.g. --set clients_per_actor=5), for experiments")
-    ap.add_argument("--flower-python", help="a Python with flwr[simulation] installed (optional)")
     ap.add_argument("--timeout", type=float, default=600)
     args = ap.parse_args(argv)
     systems = args.systems.split(",")
-    if "flower" in systems and not args.flower_python:
-        print("flower: skipped (no --flower-python given)", flush=True)
-        systems.remove("flower")
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown:
+        ap.error(f"--systems: unknown {unknown[0]!r}; allowed: {', '.join(SYSTEMS)}")
     results: dict = {}
     with tempfile.TemporaryDirectory() as data_root:
         write_idx(data_root, max(k * n for _, k, n in WORKLOADS.values()))

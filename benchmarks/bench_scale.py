@@ -4,7 +4,7 @@ For each population: rayfl through its public path with the default (automatic) 
 tracking on (and the CPU its tracking thread spent a round: the run's tag ``rayfl.tracking_cpu_seconds``, the
 last batch of metrics included, over the rounds); the same run without MLflow (the cost of tracking is the
 difference, within this machine's noise); the same rounds in
-one process by the ``LocalRuntime`` (the ratio the issue sets: at most 0.65x, ideal 0.5x on 2 cores); and
+one process by the ``LocalRuntime`` (the target: at most 0.65x, ideal 0.5x on 2 cores); and
 (``split``) two such processes with half the clients each, side by side: the same work on two cores with no
 engine, what this machine allows an engine at best.
 Steady round = median of rounds 2..end, training and evaluation of every client included; peak memory =
@@ -57,7 +57,7 @@ if mode == "local":
     Loop(prepared, LocalRuntime(prepared), [Stamp()]).run()
 else:
     from rayfl.actors.launch import launch
-    from rayfl.cli import init_ray, shutdown_ray
+    from rayfl.session import init_ray, shutdown_ray
     from rayfl.tracking import ensure_experiment
     init_ray(None)
     tracking = None

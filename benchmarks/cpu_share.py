@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     if not os.path.isdir(MNIST):
         raise SystemExit(f"cpu_share: error: {MNIST}: the MNIST test set is needed")
     from rayfl.actors.launch import launch
-    from rayfl.cli import init_ray, shutdown_ray
+    from rayfl.session import init_ray, shutdown_ray
     from rayfl.config import make_config
     from rayfl.experiment import prepare
 

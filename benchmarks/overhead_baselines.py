@@ -75,7 +75,7 @@ def main(argv=None) -> int:
                 extra, _, _ = ROWS[name]
                 sets = [f"algo={name.split('@')[0]}", *(f"{k}={v}" for k, v in extra.items())]
                 run = run_retried("rayfl", "mlp10", data, args.rounds,
-                                  SimpleNamespace(set=sets, timeout=args.timeout, flower_python=None))
+                                  SimpleNamespace(set=sets, timeout=args.timeout))
                 steady[name].append(run["steady"])
                 print(f"rep {rep + 1} {name}: {run['steady']:.3f} s/round", flush=True)
     print("\n| algorithm | s/round (repetitions) | x FedAvg (medians) | floor by arithmetic | ratio / floor | the floor |")

@@ -55,7 +55,7 @@ def table_of(record: dict) -> str:
     import pandas as pd
 
     from rayfl.comparison.presets import PRESETS
-    from rayfl.comparison.run import NO_FINAL_UPDATE, no_final_update, work_of
+    from rayfl.comparison.run import before_rows, work_of
     from rayfl.comparison.table import WORK, markdown, ordering_agreement, summarize_runs, with_paper
 
     runs = pd.DataFrame(record["runs"])
@@ -63,15 +63,13 @@ def table_of(record: dict) -> str:
     order = []
     for row in preset.algos:
         order.append(row)
-        if no_final_update(row) in set(runs["algo"]) and row.split(":")[0] == "fedfomo":
-            order.append(no_final_update(row))
+        order += [second for second in before_rows(row).values() if second in set(runs["algo"])]
     table = summarize_runs(runs, [r for r in order if r in set(runs["algo"])])
     table[WORK] = [work_of(r) for r in table["algo"]]
     config = {**preset.config, **record["extra"]}
     table = with_paper(table, preset.paper_for(config))
     agreement = ordering_agreement(table)
     text = markdown(table) + (f"\n\n{agreement.line()}" if agreement else "")
-    assert NO_FINAL_UPDATE  # the extra FedFomo rows keep their names
     return f"```\n{record['command']}\n```\n\n{record['wall_seconds']:.0f} s\n\n{text}\n"
 
 

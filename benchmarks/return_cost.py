@@ -1,6 +1,6 @@
 """What an actor call's result costs to return, by size, on rayfl's private Ray instance: a call returning
 ``n`` bytes (as ``bytes`` and as a numpy array) against ``ray.put`` of the same bytes inside the actor,
-timed from the driver until the result exists (not fetched). Results up to ``rayfl.cli.INLINE_BYTES`` (4 MiB)
+timed from the driver until the result exists (not fetched). Results up to ``rayfl.session.INLINE_BYTES`` (4 MiB)
 travel inside the reply, larger ones through the object store. This is the price of the clients' per-round
 in-memory snapshot when their blobs are large (FedFomo: about 1.3 MB a client, its weights and baseline).
 
@@ -18,7 +18,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from rayfl.cli import init_ray, shutdown_ray  # noqa: E402
+from rayfl.session import init_ray, shutdown_ray  # noqa: E402
 
 SIZES = (50_000, 500_000, 1_300_000, 3_000_000, 6_400_000)
 

@@ -15,7 +15,7 @@ def run_experiment(prepared, runtime: str, tracking: dict | None = None, device:
     Returns the run's outcome and the rounds' end times (on Ray the driver's stamps: the submitter sees a
     round up to a poll later)."""
     from rayfl.actors.launch import launch
-    from rayfl.cli import init_ray, shutdown_ray
+    from rayfl.session import init_ray, shutdown_ray
     from rayfl.inprocess import run_in_process
 
     stamps: list[float] = []

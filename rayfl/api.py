@@ -1,4 +1,8 @@
-"""The Python API: :func:`run` one experiment, :func:`tune` a sweep; the ``rayfl`` command calls these.
+"""The Python API: :func:`run` one experiment, :func:`tune` a sweep.
+
+The ``rayfl`` command parses its flags and calls the same typed entry points: :func:`run_config` for a run,
+:func:`rayfl.sweep.command.run_sweep` for a sweep (as :func:`tune` does), :func:`rayfl.comparison.run.compare`
+for a comparison; the Ray session and run directories are :mod:`rayfl.session`'s.
 
 Settings are the config keys of ``rayfl run --help`` as keyword arguments (``clients=10``), algorithm
 knobs in ``params``; a YAML file or a dict may give a base (``config=``) that keywords override. A mistake
@@ -8,7 +12,6 @@ raises :class:`rayfl.UserError` before Ray starts. Ray: the instance this proces
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import os
@@ -16,8 +19,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from rayfl.config import FIELDS, Config, UserError, make_config
-from rayfl.progress import RoundClock, ui_url
+from rayfl.config import FIELDS, Config, UserError, check_value, did_you_mean, make_config, shown
+from rayfl.config_help import GROUPS
+from rayfl.progress import ConsoleProgress, RoundClock, ui_url
+from rayfl.session import check_address, check_tracking_store, load_run_dir, make_run_dir, shutdown_ray, start_ray
 
 Progress = Callable[[dict], None]
 
@@ -74,6 +79,7 @@ class RunResult:
     tracking_uri: str
     experiment_id: str
     config: Any = None  # rayfl.Config
+    tracking_unsent: str | None = None  # the line saying what its tracking server did not get, and how to send it
 
     @property
     def mlflow_url(self) -> str:
@@ -162,8 +168,6 @@ def make_run_config(config: str | dict | Config | None = None, **values) -> Conf
 
 def check_keys(values: dict) -> None:
     """Every key a config key: a mistyped one is refused, with the nearest key named."""
-    from rayfl.config import did_you_mean
-
     unknown = sorted(str(k) for k in set(values) - set(FIELDS))
     if unknown:
         raise UserError(f"unknown config key {unknown[0]!r}{did_you_mean(unknown[0], FIELDS)}; allowed: "
@@ -174,56 +178,36 @@ def _progress(progress: bool | Progress | None) -> Progress:
     if callable(progress):
         return progress
     if progress:
-        from rayfl.progress import ConsoleProgress
-
         return ConsoleProgress()
     return lambda event: None
-
-
-def start_ray(address: str | None, emit: Progress) -> bool:
-    """Connect unless this process already is; True when we started (and so must shut down) Ray."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    from rayfl.cli import init_ray
-
-    emit({"event": "cluster", "state": "starting", "address": address or os.environ.get("RAY_ADDRESS")})
-    t0 = time.monotonic()
-    init_ray(address)
-    emit({"event": "cluster", "state": "ready", "seconds": time.monotonic() - t0,
-          "resources": ray.cluster_resources(), "logs": _ray_logs_dir()})
-    return True
-
-
-def _ray_logs_dir() -> str | None:
-    """Where Ray writes its workers' and raylets' logs (kept out of the console)."""
-    try:
-        from ray._private import worker
-
-        return worker._global_node.get_logs_dir_path()
-    except Exception:  # noqa: BLE001 - a remote cluster keeps them on its head node
-        return None
 
 
 # --------------------------------------------------------------------------------------------------
 # run
 # --------------------------------------------------------------------------------------------------
 def run(config: str | dict | Config | None = None, *, resume: str | None = None, address: str | None = None,
-        progress: bool | Progress = True, **values) -> RunResult:
+        progress: bool | Progress = True, plugins: list[str] | None = None, **values) -> RunResult:
     """Run one experiment and return its :class:`RunResult`.
 
     ``rayfl.run(algo="fedfomo", dataset="digits", clients=10, rounds=5, params={"M": 3})``;
     ``resume=DIR`` goes on from the last checkpoint of a run directory (its own config.yaml is used);
     ``progress``: True prints lines as ``rayfl run`` does, False nothing, or a callable gets each event
-    (see :mod:`rayfl.progress`)."""
+    (see :mod:`rayfl.progress`); ``plugins``: .py files or module names to load first, as ``--plugin``."""
+    from rayfl.plugins import as_sources, load_plugins
     from rayfl.provenance import api_call
 
+    for key, value in {"config": config, "resume": resume, **values}.items():
+        check_value(key, value)  # bounded before the call is recorded (its repr) or walked
+    load_plugins(as_sources(plugins))
     command = api_call("run", {**({"config": config} if config is not None else {}),
-                               **({"resume": resume} if resume else {}), **values})
+                               **({"resume": resume} if resume else {}),
+                               **({"plugins": plugins} if plugins else {}), **values})
+    if resume is not None and not isinstance(resume, (str, os.PathLike)):
+        raise UserError(f"resume={shown(resume)}: must be a run directory (a path)")
     if resume:
+        resume = os.fspath(resume)
         if config is not None or values:
-            raise UserError(f"resume={resume!r}: a resumed run uses its own config.yaml; pass no other settings")
+            raise UserError(f"resume={shown(resume)}: a resumed run uses its own config.yaml; pass no other settings")
         cfg = None
     else:
         cfg = make_run_config(config, **values)
@@ -233,7 +217,6 @@ def run(config: str | dict | Config | None = None, *, resume: str | None = None,
 def run_config(cfg: Config | None, *, resume: str | None = None, address: str | None = None,
                progress: Progress = lambda e: None, command: str | None = None) -> RunResult:
     """:func:`run` for a built Config (``None`` with ``resume``): checks, Ray, the run, the result."""
-    from rayfl.cli import check_address, check_tracking_store, load_run_dir, make_run_dir
     from rayfl.data.report import PartitionReport
     from rayfl.experiment import prepare
     from rayfl.provenance import origin
@@ -243,10 +226,18 @@ def run_config(cfg: Config | None, *, resume: str | None = None, address: str | 
     if resume:
         cfg = load_run_dir(resume)
     prepared = prepare(cfg)  # every user mistake surfaces here, before Ray starts
+    if resume:  # and a checkpoint edited or cut short, against a fresh run of its config
+        from rayfl.resume import check_checkpoint
+
+        check_checkpoint(resume, prepared)
     uri = resolve_tracking_uri(cfg.tracking_uri)
     if not (address or os.environ.get("RAY_ADDRESS")):  # a private instance on this machine:
         from rayfl.actors.resources import preflight
 
+        cpus = os.cpu_count() or 1
+        if cfg.torch_threads > cpus:  # every actor's threads spin against the others' on these cores
+            raise UserError(f"torch_threads={cfg.torch_threads}: must be at most this machine's {cpus} CPUs "
+                            f"(a private local Ray instance)")
         preflight(cfg)  # a request it cannot hold is refused now
         check_tracking_store(uri, cfg.experiment)  # and a tracking store its driver could not open
     run_name = cfg.run_name or f"{cfg.algo}-{cfg.dataset}-{cfg.partition}-s{cfg.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -278,14 +269,21 @@ def run_config(cfg: Config | None, *, resume: str | None = None, address: str | 
                      cluster_may_grow=bool(address or os.environ.get("RAY_ADDRESS")))
     finally:
         if started:
-            from rayfl.cli import shutdown_ray
-
             shutdown_ray()
     result = RunResult(final_summary(out["final"]), _history(out["history"], walls),
                        client_table(out["per_client"], prepared.info), out["run_id"], run_dir, uri,
-                       out["experiment_id"], cfg)
+                       out["experiment_id"], cfg, out.get("tracking_unsent"))
     progress({"event": "done", "result": result})
     return result
+
+
+def sync(run_dir: str, tracking_uri: str | None = None) -> dict:
+    """Send what a run kept in ``run_dir`` for a tracking server that did not answer within its
+    ``tracking_wait`` to the same MLflow run (at ``tracking_uri``, default the one the run used), as
+    ``rayfl sync`` does; returns the counts sent. A second call sends nothing."""
+    from rayfl.tracking_outbox import sync as deliver
+
+    return deliver(run_dir, tracking_uri)
 
 
 def _history(rows: list[dict], walls: dict[int, float]):
@@ -312,18 +310,27 @@ def tune(config: str | dict | Config | None = None, *, space: str | dict | None 
          num_samples: int | None = None, max_concurrent: int | None = None, scheduler: str = "fifo",
          grace_period: int | None = None, metric: str | None = None, mode: str | None = None,
          name: str | None = None, storage_path: str | None = None, resume: str | None = None,
-         stage_reuse: bool = True, address: str | None = None, progress: bool = True, **values) -> SweepResult:
+         stage_reuse: bool = True, address: str | None = None, progress: bool = True,
+         plugins: list[str] | None = None, **values) -> SweepResult:
     """Sweep an algorithm's knobs with Ray Tune, as ``rayfl tune`` does; returns a :class:`SweepResult`.
 
     ``space``: a space file, a dict with ``fixed`` / ``grid`` / ``random`` sections (as in
     ``tune_spaces/*.yaml``), or None for ``tune_spaces/<algo>.yaml``. The other sweep arguments are those of
-    ``rayfl tune --help``; config keys and ``params`` fix the rest of the experiment."""
-    from rayfl.provenance import api_call
-    from rayfl.sweep.command import SCHEDULERS, SEARCHES
+    ``rayfl tune --help``; config keys and ``params`` fix the rest of the experiment; ``plugins``: .py files or
+    module names to load first, as ``--plugin``."""
+    import pandas as pd
 
+    from rayfl.plugins import as_sources, load_plugins
+    from rayfl.provenance import api_call
+    from rayfl.sweep.command import (SCHEDULERS, SEARCHES, SweepSettings, best_of, check_counts, check_name,
+                                     run_sweep)
+
+    load_plugins(as_sources(plugins))
     given = {"space": space, "search": search, "num_samples": num_samples, "max_concurrent": max_concurrent,
              "scheduler": scheduler, "grace_period": grace_period, "metric": metric, "mode": mode, "name": name,
              "storage_path": storage_path, "resume": resume}
+    for key, value in {"config": config, **given, **values}.items():
+        check_value(key, value)  # bounded before the call is recorded (its repr) or walked
     call = api_call("tune", {**({"config": config} if config is not None else {}),
                              **{k: v for k, v in given.items() if v != SWEEP_DEFAULTS.get(k)}, **values})
     if search not in SEARCHES:
@@ -332,9 +339,21 @@ def tune(config: str | dict | Config | None = None, *, space: str | dict | None 
         raise UserError(f"scheduler={scheduler!r}: unknown; allowed: {', '.join(SCHEDULERS)}")
     if mode not in (None, "max", "min"):
         raise UserError(f"mode={mode!r}: allowed: max, min")
+    check_counts({"num_samples": num_samples, "max_concurrent": max_concurrent, "grace_period": grace_period},
+                 style="api")
+    if name is not None:
+        check_name(name, "name")
+    if metric is not None and not isinstance(metric, str):
+        raise UserError(f"metric={shown(metric)}: must be a metric name, e.g. 'val_acc_mean'")
+    for key, value in (("storage_path", storage_path), ("resume", resume)):
+        if value is not None and not isinstance(value, (str, os.PathLike)):
+            raise UserError(f"{key}={shown(value)}: must be a directory (a path)")
+    resume = os.fspath(resume) if resume is not None else None
     check_keys(values)
-    if resume and (config is not None or values or space is not None):
-        raise UserError(f"resume={resume!r}: a resumed sweep uses its own settings; pass no others")
+    # a resume may say again where it writes (tracking_uri, stage_cache), nothing else
+    if resume and (config is not None or set(values) - {"tracking_uri", "stage_cache"} or space is not None):
+        raise UserError(f"resume={shown(resume)}: a resumed sweep uses its own settings; pass no others "
+                        f"(but tracking_uri, stage_cache)")
     params = values.pop("params", None) or {}
     if not isinstance(params, dict):
         raise UserError(f"params={params!r}: must be a dict of algorithm knobs")
@@ -346,70 +365,36 @@ def tune(config: str | dict | Config | None = None, *, space: str | dict | None 
         values = {**{k: v for k, v in config.items() if k != "params"}, **values}
     elif config is not None:
         file = os.fspath(config)
-    args = argparse.Namespace(config=file, param=[], params=params, resume=resume, address=address, call=call,
-                              quiet=not progress, no_stage_reuse=not stage_reuse, search=search,
-                              num_samples=num_samples, max_concurrent=max_concurrent, scheduler=scheduler,
-                              grace_period=grace_period, metric=metric, mode=mode, name=name,
-                              storage_path=storage_path, space=space, **values)
+    settings = SweepSettings(config=file, values=values, params=params, space=space, search=search,
+                             num_samples=num_samples, max_concurrent=max_concurrent, scheduler=scheduler,
+                             grace_period=grace_period, metric=metric, mode=mode, name=name,
+                             storage_path=storage_path, stage_reuse=stage_reuse, resume=resume, address=address,
+                             quiet=not progress, call=call)
     if isinstance(space, dict):
-        args.space, args.name = _write_space(space, args, values)
-    return tune_args(args)
-
-
-def _write_space(space: dict, args, values: dict) -> tuple[str, str]:
-    """A space given as a dict is kept as a file beside the sweep (its record, and what resume reads)."""
-    import yaml
-
-    base = make_config(args.config, values)
-    name = args.name or f"{base.algo}-sweep-{time.strftime('%Y%m%d-%H%M%S')}"
-    folder = os.path.abspath(os.path.join(args.storage_path or os.path.join(base.out_dir, "tune"), "spaces"))
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, f"{name}.yaml")
-    with open(path, "w") as f:
-        yaml.safe_dump(space, f, sort_keys=False)
-    return path, name
-
-
-def tune_args(args) -> SweepResult:
-    """A sweep from ``rayfl tune``'s arguments (what :func:`tune` builds): checks, Ray, Tune, the table."""
-    import pandas as pd
-
-    from rayfl.sweep import command
-
-    os.environ.setdefault("RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS", "0")
-    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
-    # Ctrl-C reaches us as KeyboardInterrupt (Tune's own handler would end fit() as if the sweep were done);
-    # Tune has saved its state by then, and resume goes on from it.
-    os.environ.setdefault("TUNE_DISABLE_SIGINT_HANDLER", "1")
-    from rayfl.cli import check_address, config_flags_given
-
-    check_address(args.address)
-    if args.resume:
-        extra = config_flags_given(args) + [f"--{k.replace('_', '-')}" for k in command.SWEEP_FLAGS
-                                            if getattr(args, k, None)]
-        if extra:
-            raise UserError(f"--resume {args.resume!r} with {extra[0]}: a resumed sweep keeps its saved settings; "
-                            f"give only --resume DIR (and --address, --quiet)")
-        meta = command._load_meta(args.resume)
-    else:
-        meta = command._new_sweep(args)
-    emit = _progress(not args.quiet)
-    started = start_ray(args.address, emit)
-    try:
-        code = command._run(meta, args, resume=bool(args.resume))
-    finally:
-        if started:
-            from rayfl.cli import shutdown_ray
-
-            shutdown_ray()
+        settings.space, settings.name = _write_space(space, settings)
+    meta, code = run_sweep(settings)
     if code == 130:
         raise KeyboardInterrupt
     path = os.path.join(meta["sweep_dir"], "results.csv")
     table = pd.read_csv(path) if os.path.isfile(path) else pd.DataFrame()
     if code != 0:
         raise SweepFailed(f"sweep {meta['name']}: no trial reported {meta['metric']}; see {meta['sweep_dir']}")
-    return SweepResult(table, meta["parent_run_id"], meta["sweep_dir"], command.best_of(table, meta),
+    return SweepResult(table, meta["parent_run_id"], meta["sweep_dir"], best_of(table, meta),
                        meta["tracking_uri"], meta["experiment_id"], meta["metric"], meta["algo"])
+
+
+def _write_space(space: dict, settings) -> tuple[str, str]:
+    """A space given as a dict is kept as a file beside the sweep (its record, and what resume reads)."""
+    import yaml
+
+    base = make_config(settings.config, settings.values)
+    name = settings.name or f"{base.algo}-sweep-{time.strftime('%Y%m%d-%H%M%S')}"
+    folder = os.path.abspath(os.path.join(settings.storage_path or os.path.join(base.out_dir, "tune"), "spaces"))
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"{name}.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(space, f, sort_keys=False)
+    return path, name
 
 
 # --------------------------------------------------------------------------------------------------
@@ -418,8 +403,6 @@ def tune_args(args) -> SweepResult:
 def config_keys_doc() -> str:
     """Every config key with its default (from :class:`rayfl.Config`) and its ``rayfl run --help`` text, in
     the help screen's groups: generated, so that it cannot drift from the config."""
-    from rayfl.cli import GROUPS
-
     def default(f):
         return f.default_factory() if f.default is dataclasses.MISSING else f.default
 

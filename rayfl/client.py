@@ -35,13 +35,14 @@ class TrainSettings:
     momentum: float = 0.0
     weight_decay: float = 0.0
     dp: Any = None  # rayfl.privacy.DPSettings when the run is differentially private
+    buffers: str = "global"  # config `buffers`: "local" keeps each client's own BatchNorm statistics
 
     @classmethod
     def from_config(cls, cfg, task: str) -> "TrainSettings":
         from rayfl.privacy import DPSettings
 
         return cls(task, cfg.local_epochs, cfg.lr, cfg.batch_size, cfg.optimizer, cfg.momentum,
-                   cfg.weight_decay, DPSettings.from_config(cfg))
+                   cfg.weight_decay, DPSettings.from_config(cfg), cfg.buffers)
 
 
 class Bench:
@@ -60,6 +61,7 @@ class Bench:
         self.free: list[nn.Module] = []  # modules loaded in an earlier call, ready for another vector
         self.step = 0  # advanced by the host before each client's step
         self.resident = self.fresh()
+        self.buffer_index = training.buffer_index(self.resident).to(device)  # BatchNorm statistics' positions
         if initial is None:  # no common initial model: a freshly initialised one
             initial = training.to_vector(self.resident)
         self.initial = torch.tensor(np.asarray(initial, dtype=np.float32), device=device)  # a copy: Ray's is read-only
@@ -127,6 +129,7 @@ class Client:
         self.share = share  # wraps a vector so that it travels as a handle (ray.put under Ray)
         self._bench = bench if bench is not None else Bench(make_model, initial, device)
         self._weights: torch.Tensor | None = None  # personal weights, flat; None: still the initial model
+        self._buffers: torch.Tensor | None = None  # buffers=local: its own buffers; None: the initial model's
         self.state: dict[str, Any] = {}  # the algorithm's personal state (teacher, row of P, ...)
         self.rng = np.random.default_rng([seed, cid])
         self.gen = torch.Generator().manual_seed(int(self.rng.integers(2**62)))
@@ -140,7 +143,9 @@ class Client:
     @property
     def model(self) -> nn.Module:
         """This client's personal model (the host's resident module, with this client's weights in it)."""
-        return self._bench.checkout(self)
+        initial = self._weights is None and self._bench.owner is not self
+        model = self._bench.checkout(self)
+        return self._own_buffers(model) if initial else model
 
     @model.setter
     def model(self, module: nn.Module) -> None:
@@ -160,20 +165,61 @@ class Client:
 
     def new_model(self, vec: np.ndarray | None = None) -> nn.Module:
         """A fresh copy of the architecture on this client's device, loaded from ``vec`` if given."""
-        return self._bench.fresh(vec)
+        return self._bench.fresh(vec) if vec is None else self._own_buffers(self._bench.fresh(vec))
 
     def scratch(self, vec) -> nn.Module:
         """The host's spare model loaded with ``vec``: no allocation, valid until the next ``scratch`` call.
         For a working copy that is not the client's own (FedAvg's local training, candidate losses)."""
-        return training.load_vector(self._bench.spare, vec)
+        return self._own_buffers(training.load_vector(self._bench.spare, vec))
 
     def model_of(self, vec) -> nn.Module:
         """A model holding another party's vector (a peer's model, a candidate), read only: loaded once per
         host call however many of the host's clients use it."""
-        return self._bench.model_of(vec)
+        return self._own_buffers(self._bench.model_of(vec))
 
     def load(self, vec: np.ndarray, model: nn.Module | None = None) -> nn.Module:
-        return training.load_vector(model if model is not None else self.model, vec)
+        return self._own_buffers(training.load_vector(model if model is not None else self.model, vec))
+
+    # --- buffers -----------------------------------------------------------------------------------
+    # With ``buffers=local`` (FedBN, Li et al. 2021, Alg. 1) a client's BatchNorm statistics are its own: every
+    # vector it receives is loaded with its own statistics in place of the vector's, and what its training
+    # leaves in them is kept for the next round. The weight vector keeps its layout (the uploads still carry
+    # statistics, which an average mixes and no client loads). The integer num_batches_tracked is in no vector
+    # and belongs to the host's shared module; BatchNorm reads it only with momentum=None, which is refused.
+    def _local_buffers(self) -> bool:
+        return self.settings.buffers == "local" and len(self._bench.buffer_index) > 0
+
+    def _own_buffers(self, model: nn.Module) -> nn.Module:
+        """``model`` with this client's buffers written in, under ``buffers=local``; as it was otherwise."""
+        if not self._local_buffers():
+            return model
+        idx = self._bench.buffer_index
+        own = self._buffers if self._buffers is not None else self._bench.initial[idx]
+        flat = getattr(model, "_rayfl_flat", None)
+        with torch.no_grad():
+            if flat is not None and flat.numel() == self._bench.initial.numel():
+                flat[idx] = own
+            elif flat is None:  # a module that flatten left alone (tied weights)
+                vec = torch.as_tensor(training.to_vector(model), device=self.device)
+                if vec.numel() == self._bench.initial.numel():
+                    vec[idx] = own
+                    training.load_vector(model, vec)
+        return model
+
+    def _keep_buffers(self, model: nn.Module) -> None:
+        """After this client trained ``model``: its buffers are the client's own from now on (buffers=local)."""
+        if self._local_buffers():
+            flat = getattr(model, "_rayfl_flat", None)
+            vec = flat if flat is not None else torch.as_tensor(training.to_vector(model), device=self.device)
+            if vec.numel() == self._bench.initial.numel():
+                self._buffers = vec.detach()[self._bench.buffer_index].clone()
+
+    def buffers(self) -> np.ndarray | None:
+        """Its own buffers (buffers=local) as a numpy copy, or None while it has none (snapshots)."""
+        return None if self._buffers is None else self._buffers.cpu().numpy().copy()
+
+    def set_buffers(self, values: np.ndarray | None) -> None:
+        self._buffers = None if values is None else torch.tensor(np.array(values), device=self.device)
 
     def vector(self, model: nn.Module | None = None) -> np.ndarray:
         return training.to_vector(model if model is not None else self.model)
@@ -192,6 +238,7 @@ class Client:
             return {"train_loss": float("nan"), "n": 0}
         loss = training.train_epochs(model, x, y, epochs or s.local_epochs, s.batch_size, optimizer,
                                      loss_fn or training.loss_fn_for(s.task), self.gen)
+        self._keep_buffers(model)
         return {"train_loss": loss, "n": int(x.shape[0])}
 
     def loss_of(self, vec: np.ndarray, split: str = "val") -> float:
@@ -212,8 +259,8 @@ class Client:
 
     def small_eval(self, limit: int, splits=("val", "test")) -> bool:
         """Whether ``evaluate`` joins these splits into one forward pass (they fit in one of ``limit`` samples,
-        ``eval_pass``)."""
-        return 1 < len(splits) and sum(self.n(split) for split in splits) <= limit
+        ``eval_pass``). Never with buffers=local: each client is evaluated with its own statistics."""
+        return 1 < len(splits) and sum(self.n(split) for split in splits) <= limit and not self._local_buffers()
 
 
 def _names(splits) -> list[tuple[str, str, str]]:

@@ -7,21 +7,45 @@ knobs live in ``params`` and are checked by the algorithm's own ``Params`` datac
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import yaml
 
+from rayfl.algorithms import DEFAULT_ALGORITHM
+from rayfl.user_input import KIND_TEXT, MAX_MESSAGE, UserError, did_you_mean, to_kind  # noqa: F401 - re-exported
 
-class UserError(Exception):
-    """A mistake in what the user asked for: shown as one line, exit status 2, no traceback."""
+MAX_TEXT = 4096  # characters of a string value (a path, a name, a URI: PATH_MAX on Linux is 4096 bytes)
+MAX_DEPTH = 32  # nesting of a config value or a YAML file (a config is 2 levels deep, a space file 4)
+MAX_VALUES = 10_000  # values in one config, space file or config value, aliases expanded
+MAX_FILE_BYTES = 1 << 20  # a config or space file (the largest shipped is about 2 KB)
+MAX_COUNT = 10**7  # clients, rounds, batch sizes, samples, ...: beyond any dataset or run this platform holds
+MAX_TORCH_THREADS = 256  # per client actor; a private local instance also caps them at this machine's CPUs
 
 
-PARTITIONS = ("iid", "pathological", "dirichlet", "latent", "majority", "label-groups", "rotation",
-              "permutation")
+def shown(value: Any, limit: int = 80) -> str:
+    """``value`` as an error message quotes it: its repr, cut to about ``limit`` characters (a long string
+    says how long it was; a deep or large container is elided by reprlib, which never expands shared
+    references beyond its own bounds)."""
+    if isinstance(value, str):
+        if len(value) <= limit:
+            return repr(value)
+        return f"{value[:limit]!r}... ({len(value)} characters)"
+    import reprlib
+
+    r = reprlib.Repr()
+    r.maxlevel, r.maxstring, r.maxother, r.maxlong = 3, limit, limit, limit
+    r.maxlist = r.maxtuple = r.maxdict = r.maxset = r.maxfrozenset = r.maxdeque = r.maxarray = 8
+    try:
+        text = r.repr(value)
+    except Exception:  # noqa: BLE001 - a value whose repr fails is still named
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= 2 * limit else text[:2 * limit] + "..."
+
+
 SIZE_DISTRIBUTIONS = ("equal", "lognormal")
+BUFFERS = ("global", "local")  # where a model's buffers live: in the averaged weight vector, or with each client
 GROUP_ASSIGN = ("auto", "blocks", "random")
 OPTIMIZERS = ("sgd", "adam")
 MAX_SEED = 2**32 - 1  # numpy's legacy RandomState (Tune's grid/random search) takes seeds below 2**32
@@ -30,7 +54,7 @@ MAX_SEED = 2**32 - 1  # numpy's legacy RandomState (Tune's grid/random search) t
 @dataclass
 class Config:
     # what runs
-    algo: str = "fedavg"
+    algo: str = DEFAULT_ALGORITHM
     params: dict = field(default_factory=dict)  # the algorithm's own knobs (ε, M, β, λ, T, ...)
     # data
     dataset: str = "digits"
@@ -75,8 +99,10 @@ class Config:
     checkpoint_every: int = 0  # 0: no checkpoints
     snapshot_every: int = 1  # in-memory snapshot of every client every N rounds, to replay from after a fault
     max_restarts: int = 3  # client-actor and driver restarts survived per run before it fails
+    capacity_wait: float = 600.0  # seconds to wait for room for client actors lost with a node (autoscaler)
     out_dir: str = "rayfl-runs"
     tracking_uri: str | None = None  # None: MLFLOW_TRACKING_URI, else sqlite:///mlflow.db
+    tracking_wait: float = 300.0  # seconds a run's end waits for a tracking server that does not answer
     experiment: str = "rayfl"
     run_name: str | None = None
     stage_cache: str = ""  # directory shared by runs to reuse stages (rayfl.stage_cache); "": off
@@ -85,19 +111,23 @@ class Config:
     cpus_per_actor: float = 0.0  # 0: share the cluster's CPUs among the actors
     gpus_per_actor: float = -1.0  # -1: automatic (a fraction of the GPUs when the cluster has any)
     torch_threads: int = 1
+    # buffers (BatchNorm's running statistics): global, in the weight vector and averaged like the weights;
+    # local, each client's own, never averaged (FedBN, Li et al. 2021), where the algorithm declares local_buffers
+    buffers: str = "global"
 
     def check(self) -> None:
         """Raise UserError naming the first bad value and what is allowed."""
         from rayfl.algorithms import algorithm_names, get_algorithm
-        from rayfl.data import DATASETS
-        from rayfl.models import MODELS
+        from rayfl.data.datasets import check_dataset_name
+        from rayfl.data.partition import PARTITIONS
+        from rayfl.models import check_model_name
 
-        for name, value in dataclasses.asdict(self).items():  # a Config built in code skips _convert
+        for name in FIELDS:  # a Config built in code skips make_config: its values are checked here
+            value = getattr(self, name)
+            check_value(name, value)  # before anything walks or quotes it (asdict, repr)
             _convert(name, value)
-            if isinstance(value, str) and "\0" in value:  # no path, name or URI holds one
-                raise UserError(f"{name}={value!r}: must not contain a NUL byte")
         _one_of("algo", self.algo, algorithm_names())
-        _one_of("dataset", self.dataset, DATASETS)
+        check_dataset_name(self.dataset)
         _one_of("partition", self.partition, PARTITIONS)
         _one_of("sizes", self.sizes, SIZE_DISTRIBUTIONS)
         _one_of("group_assign", self.group_assign, GROUP_ASSIGN)
@@ -107,7 +137,11 @@ class Config:
             raise UserError(f"label_shift={self.label_shift}: applies to partition rotation or permutation, "
                             f"not {self.partition!r}")
         _one_of("optimizer", self.optimizer, OPTIMIZERS)
-        _one_of("model", self.model, ("auto",) + tuple(MODELS))
+        check_model_name(self.model)
+        _one_of("buffers", self.buffers, BUFFERS)
+        if self.buffers == "local" and not vars(get_algorithm(self.algo).ClientLogic).get("local_buffers"):
+            raise UserError(f"buffers='local': algo={self.algo!r} does not declare that its clients keep their own "
+                            f"buffers (ClientLogic.local_buffers); allowed: global")
         if self.clients_per_actor != "auto" and not (isinstance(self.clients_per_actor, int)
                                                      and self.clients_per_actor >= 1):
             raise UserError(f"clients_per_actor={self.clients_per_actor!r}: must be auto or an integer >= 1")
@@ -118,6 +152,12 @@ class Config:
         for name in ("checkpoint_every", "samples_per_client", "client_metrics", "snapshot_every", "max_restarts"):
             if getattr(self, name) < 0:
                 raise UserError(f"{name}={getattr(self, name)}: must be an integer >= 0")
+        for name in COUNTS:
+            if getattr(self, name) > MAX_COUNT:
+                raise UserError(f"{name}={getattr(self, name)}: must be at most {MAX_COUNT:,}")
+        if self.torch_threads > MAX_TORCH_THREADS:
+            raise UserError(f"torch_threads={self.torch_threads}: must be at most {MAX_TORCH_THREADS} (threads of "
+                            f"one client actor)")
         for name in ("participation", "majority"):
             _fraction(name, getattr(self, name), low_open=True)
         for name in ("val_frac", "test_frac"):
@@ -127,9 +167,16 @@ class Config:
         for name in ("lr", "alpha", "size_sigma"):
             if not getattr(self, name) > 0:
                 raise UserError(f"{name}={getattr(self, name)}: must be > 0")
+        if not 0 <= self.capacity_wait < float("inf"):
+            raise UserError(f"capacity_wait={self.capacity_wait}: must be a finite number of seconds >= 0")
+        if not 0 <= self.tracking_wait < float("inf"):
+            raise UserError(f"tracking_wait={self.tracking_wait}: must be a finite number of seconds >= 0")
         for name in ("momentum", "weight_decay", "cpus_per_actor"):
             if not getattr(self, name) >= 0:
                 raise UserError(f"{name}={getattr(self, name)}: must be >= 0")
+        if not self.momentum < 1:  # heavy-ball momentum beta: the step grows without bound at beta >= 1
+            raise UserError(f"momentum={self.momentum}: must be in [0, 1)")
+        check_model_fits(self.model, self.dataset)
         if self.gpus_per_actor < 0 and self.gpus_per_actor != -1:
             raise UserError(f"gpus_per_actor={self.gpus_per_actor}: must be >= 0, or -1 for automatic")
         if not 0 <= self.seed <= MAX_SEED:
@@ -173,17 +220,67 @@ class Config:
         return flat
 
 
-def did_you_mean(word: str, choices) -> str:
-    """`` (did you mean 'clients'?)`` for the nearest of ``choices`` (difflib's ratio, at least 0.6), else ''."""
-    import difflib
+# The integer settings bounded by MAX_COUNT (a count beyond it is a typo, e.g. 1e18, not a request).
+COUNTS = ("clients", "rounds", "local_epochs", "batch_size", "eval_every", "groups", "classes_per_client",
+          "checkpoint_every", "samples_per_client", "client_metrics", "snapshot_every", "max_restarts")
 
-    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+# What the built-in datasets are, for pairing them with the built-in models before any data is loaded.
+IMAGE_DATASETS = frozenset({"digits", "mnist", "fashion-mnist", "cifar10", "cifar100"})  # (C, H, W) inputs
+REGRESSION_DATASETS = frozenset({"sine"})  # one real-valued output; the others are classification
+CONV_MODELS = frozenset({"mcmahan-cnn", "tf-cnn", "lenet5"})  # need (C, H, W) inputs
+REGRESSION_MODELS = frozenset({"sine-mlp"})  # FedeRiCo's linear fit of the sine curve (Ma et al. 2022, 5.2)
+CLASSIFICATION_MODELS = frozenset({"logreg"})  # a softmax classifier by name
+
+
+def check_model_fits(model: str, dataset: str) -> None:
+    """A built-in model meant for another kind of data than a built-in dataset (a CNN on vectors, the sine
+    curve's linear fit on digits) is refused before any data is loaded. Models registered elsewhere, and the
+    output width of every model, are checked when the model is built."""
+    builtin = IMAGE_DATASETS | REGRESSION_DATASETS | {"synthetic"}
+    if model == "auto" or dataset not in builtin:
+        return
+    task = "regression" if dataset in REGRESSION_DATASETS else "classification"
+    if model in CONV_MODELS and dataset not in IMAGE_DATASETS:
+        fits = sorted(IMAGE_DATASETS)
+    elif model in REGRESSION_MODELS and task != "regression":
+        fits = sorted(REGRESSION_DATASETS)
+    elif model in CLASSIFICATION_MODELS and task != "classification":
+        fits = sorted(builtin - REGRESSION_DATASETS)
+    else:
+        return
+    raise UserError(f"model={model!r}: does not fit dataset {dataset!r}; it is meant for {', '.join(fits)} "
+                    f"(model auto picks one that fits)")
+
+
+def check_value(name: str, value: Any) -> None:
+    """A config value (or a whole config, a space) small enough to walk and quote: at most MAX_DEPTH levels
+    and MAX_VALUES values (a shared or aliased part counted each time it appears), strings of at most
+    MAX_TEXT characters without NUL bytes (no path, name or URI holds one). Walked without recursion, so a
+    value nested past Python's recursion limit, or one that contains itself, is refused, not crashed on."""
+    stack = [(value, 0)]
+    count = 0
+    while stack:
+        item, depth = stack.pop()
+        count += 1
+        if count > MAX_VALUES:
+            raise UserError(f"{name}: more than {MAX_VALUES:,} values (anchors and aliases counted each time "
+                            f"they are used)")
+        if depth > MAX_DEPTH:
+            raise UserError(f"{name}: nested more than {MAX_DEPTH} levels deep")
+        if isinstance(item, str):
+            if len(item) > MAX_TEXT:
+                raise UserError(f"{name}={shown(item)}: at most {MAX_TEXT} characters")
+            if "\0" in item:
+                raise UserError(f"{name}={shown(item)}: must not contain a NUL byte")
+        elif isinstance(item, dict):
+            stack.extend((x, depth + 1) for pair in item.items() for x in pair)
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            stack.extend((x, depth + 1) for x in item)
 
 
 def _one_of(name: str, value: Any, allowed) -> None:
     if value not in allowed:
-        raise UserError(f"{name}={value!r}: unknown; allowed: {', '.join(map(str, allowed))}")
+        raise UserError(f"{name}={shown(value)}: unknown; allowed: {', '.join(map(str, allowed))}")
 
 
 def _fraction(name: str, value: float, low_open: bool, high_open: bool = False) -> None:
@@ -199,7 +296,7 @@ FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 # location, where the data itself is compared by content): a checkpoint resumes, and a stored stage is shared,
 # across other values of these.
 NOT_RESULTS = frozenset({"out_dir", "tracking_uri", "experiment", "run_name", "client_metrics", "checkpoint_every",
-                         "snapshot_every", "max_restarts", "stage_cache", "clients_per_actor", "cpus_per_actor",
+                         "snapshot_every", "max_restarts", "capacity_wait", "tracking_wait", "stage_cache", "clients_per_actor", "cpus_per_actor",
                          "gpus_per_actor", "torch_threads", "data_root", "download"})
 
 
@@ -209,18 +306,21 @@ def make_config(file: str | None = None, overrides: Mapping[str, Any] | None = N
     where = f" in {file}" if file else ""
     if file:
         values.update(read_yaml(file))
+    for k, v in [*values.items(), *(overrides or {}).items()]:  # bounded before anything walks or quotes them
+        check_value(str(k) if isinstance(k, str) and len(k) <= 80 else f"config key {shown(k)}", k)
+        check_value(str(k)[:80], v)
     if values.get("params", {}) is not None and not _is_params(values.get("params", {})):
-        raise UserError(f"params={values['params']!r}{where}: must be a mapping of algorithm knobs (name: value)")
+        raise UserError(f"params={shown(values['params'])}{where}: must be a mapping of algorithm knobs (name: value)")
     for k, v in (overrides or {}).items():
         if k == "params":
             if not _is_params(v):
-                raise UserError(f"params={v!r}: must be a mapping of algorithm knobs (name: value)")
+                raise UserError(f"params={shown(v)}: must be a mapping of algorithm knobs (name: value)")
             values["params"] = {**(values.get("params") or {}), **v}
         else:
             values[k] = v
     unknown = sorted(str(k) for k in set(values) - set(FIELDS))
     if unknown:
-        raise UserError(f"unknown config key {unknown[0]!r}{did_you_mean(unknown[0], FIELDS)}{where}; allowed: "
+        raise UserError(f"unknown config key {shown(unknown[0])}{did_you_mean(unknown[0], FIELDS)}{where}; allowed: "
                         f"{', '.join(FIELDS)}")
     if values.get("params", {}) is None:
         raise UserError(f"params=None{where}: must be a mapping of algorithm knobs (name: value)")
@@ -248,8 +348,54 @@ class _DuplicateKey(Exception):
         self.key, self.line = key, line
 
 
+class _TooLarge(Exception):
+    def __init__(self, problem: str, line: int):
+        super().__init__(problem)
+        self.problem, self.line = problem, line
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """YAML's safe loader, refusing a mapping that gives a key twice (PyYAML keeps the last one silently)."""
+    """YAML's safe loader, refusing a mapping that gives a key twice (PyYAML keeps the last one silently), a
+    document nested more than MAX_DEPTH levels deep (PyYAML composes it recursively: a RecursionError), and
+    one whose anchors and aliases expand to more than MAX_VALUES values (a few hundred bytes of nested aliases,
+    "billion laughs", would otherwise be quoted as gigabytes in an error line)."""
+
+    _depth = 0
+
+    def compose_node(self, parent, index):
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                mark = self.peek_event().start_mark
+                raise _TooLarge(f"nested more than {MAX_DEPTH} levels deep", mark.line + 1)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def compose_document(self):
+        node = super().compose_document()
+        sizes: dict[int, int] = {}
+
+        def size(n) -> int:  # values the node stands for, each alias counted as what it expands to
+            if id(n) in sizes:
+                if sizes[id(n)] < 0:
+                    raise _TooLarge("an alias refers to a node that contains it", n.start_mark.line + 1)
+                return sizes[id(n)]
+            sizes[id(n)] = -1
+            children = ([x for pair in n.value for x in pair] if isinstance(n, yaml.MappingNode)
+                        else n.value if isinstance(n, yaml.SequenceNode) else [])
+            total = 1
+            for child in children:
+                total += size(child)
+                if total > MAX_VALUES:
+                    raise _TooLarge(f"more than {MAX_VALUES:,} values (anchors and aliases counted each time "
+                                    f"they are used)", child.start_mark.line + 1)
+            sizes[id(n)] = total
+            return total
+
+        if node is not None:
+            size(node)
+        return node
 
     def construct_mapping(self, node, deep=False):
         seen = set()
@@ -268,10 +414,14 @@ def load_yaml(path: str, what: str) -> Any:
     if not os.path.isfile(path):
         raise UserError(f"{what} {path!r}: no such file")
     try:
+        if os.path.getsize(path) > MAX_FILE_BYTES:
+            raise UserError(f"{what} {path!r}: {os.path.getsize(path):,} bytes; at most {MAX_FILE_BYTES:,}")
         with open(path, encoding="utf-8") as f:
             return yaml.load(f, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader: it builds no objects from tags
     except _DuplicateKey as e:
-        raise UserError(f"{what} {path!r}: key {e.key!r} given twice (line {e.line}); give each key once") from None
+        raise UserError(f"{what} {path!r}: key {shown(e.key)} given twice (line {e.line}); give each key once") from None
+    except _TooLarge as e:
+        raise UserError(f"{what} {path!r}: {e.problem} (line {e.line})") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}" if mark is not None else ""
@@ -307,10 +457,24 @@ def tracking_scheme(uri: str) -> str | None:
 
 
 def check_tracking_uri(uri: str) -> None:
-    """An MLflow tracking URI whose scheme MLflow has a store for (a path, file:, sqlite:, http(s):, ...)."""
+    """An MLflow tracking URI whose scheme MLflow has a store for (a path, file:, sqlite:, http(s):, ...); an
+    empty one is refused (it would silently mean $MLFLOW_TRACKING_URI), as is a server URI without a host."""
+    if not uri.strip():
+        raise UserError(f"tracking_uri={shown(uri)}: empty; give a URI, or leave it out for $MLFLOW_TRACKING_URI, "
+                        "else sqlite:///mlflow.db")
+    if uri.lower().startswith(("http://", "https://")):
+        import urllib.parse
+
+        url = urllib.parse.urlparse(uri)
+        try:
+            url.port
+        except ValueError:
+            raise UserError(f"tracking_uri={shown(uri)}: the port must be a number in 0-65535") from None
+        if not url.hostname:
+            raise UserError(f"tracking_uri={shown(uri)}: no host; expected {url.scheme}://HOST[:PORT]")
     if tracking_scheme(uri) is None:
         schemes = ", ".join(sorted(s or "a path" for s in TRACKING_SCHEMES | DATABASE_SCHEMES))
-        raise UserError(f"tracking_uri={uri!r}: unknown scheme; allowed: {schemes}")
+        raise UserError(f"tracking_uri={shown(uri)}: unknown scheme; allowed: {schemes}")
 
 
 def _convert(name: str, value: Any) -> Any:
@@ -321,58 +485,28 @@ def _convert(name: str, value: Any) -> Any:
         if text == "auto":
             return "auto"
         if isinstance(value, bool) or not text.isdigit():
-            raise UserError(f"clients_per_actor={value!r}: must be auto or an integer >= 1")
+            raise UserError(f"clients_per_actor={shown(value)}: must be auto or an integer >= 1")
         return int(text)
     if name == "params":
         return value
     if default is None:  # optional paths and names: a string, or not given
         if value is None or isinstance(value, str):
             return value
-        raise UserError(f"{name}={value!r}: must be a string")
+        raise UserError(f"{name}={shown(value)}: must be a string")
     if value is None:
         raise UserError(f"{name}=null: must be {KIND_TEXT[type(default)]} (leave the key out for the default)")
     try:
         return to_kind(value, type(default))
     except ValueError as e:
-        raise UserError(f"{name}={value!r}: {e}") from None
+        raise UserError(f"{name}={shown(value)}: {e}") from None
 
 
-KIND_TEXT = {int: "an integer", float: "a finite number", bool: "true or false", str: "a string"}
-
-
-def to_kind(value: Any, kind: type) -> Any:
-    """``value`` as a bool, int, float or str, or ValueError saying what is allowed.
-
-    No silent coercion: null, a boolean where a number belongs, 2.5 for an integer, NaN or infinity,
-    and a list where a scalar belongs are refused; '3' and 3.0 are an integer, 'yes' and 'off' booleans."""
-    expected = f"must be {KIND_TEXT.get(kind, kind.__name__)}"
-    if value is None or isinstance(value, (list, tuple, dict, set)):
-        raise ValueError(expected)
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        text = str(value).lower()
-        if text in ("1", "true", "yes", "on"):
-            return True
-        if text in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(expected)
-    if isinstance(value, bool):
-        raise ValueError(expected + ", not a boolean")
-    if kind is str:
-        return value if isinstance(value, str) else str(value)
-    if kind not in (int, float):
-        return value
+def yaml_value(text: str, name: str) -> Any:
+    """A value typed as text (``-p KEY=VALUE``) read as YAML (0.3 a float, [1, 2] a list), with the file
+    loader's bounds; text that is not YAML stays text."""
     try:
-        number = value if isinstance(value, int) else float(value)
-        if kind is float:
-            number = float(number)
-    except (TypeError, ValueError, OverflowError):
-        raise ValueError(expected) from None
-    if isinstance(number, float) and not math.isfinite(number):
-        raise ValueError("must be a finite number")
-    if kind is int:
-        if isinstance(number, float) and not number.is_integer():
-            raise ValueError(expected)
-        return int(number)
-    return number
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader: it builds no objects from tags
+    except _TooLarge as e:
+        raise UserError(f"{name}={shown(text)}: {e.problem}") from None
+    except (yaml.YAMLError, _DuplicateKey):
+        return text

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -20,16 +21,18 @@ from rayfl.config import Config, UserError
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """How to build the experiment's network anywhere: name and the dataset's shape."""
+    """How to build the experiment's network anywhere: name and the dataset's shape, and a registered model's
+    factory, which travels with the spec to processes where the model was not registered."""
 
     name: str
     input_shape: tuple
     num_outputs: int
+    factory: Any = None
 
     def build(self):
         from rayfl.models import build_model
 
-        return build_model(self.name, self.input_shape, self.num_outputs)
+        return build_model(self.name, self.input_shape, self.num_outputs, self.factory)
 
 
 @dataclass
@@ -42,13 +45,17 @@ class Prepared:
     initial: np.ndarray
     info: RunInfo
     data_id: str = ""  # digest of the data and splits, when stages are shared (rayfl.stage_cache)
+    # what was registered from outside the package (rayfl.plugins.Plugins): every process that receives this
+    # registers it on arrival, so that a plugin's algorithm is found by name there too
+    plugins: object = None
 
 
 def prepare(cfg: Config) -> Prepared:
     import torch
 
     from rayfl.data import build_federation, load_dataset
-    from rayfl.models import default_model
+    from rayfl.models import check_model, default_model
+    from rayfl.models import registered as registered_models
     from rayfl.stage_cache import data_identity
     from rayfl.training import to_vector
 
@@ -58,13 +65,17 @@ def prepare(cfg: Config) -> Prepared:
     ds = load_dataset(cfg)
     fed = build_federation(cfg, ds)
     name = default_model(ds) if cfg.model == "auto" else cfg.model
-    spec = ModelSpec(name, tuple(ds.input_shape), int(ds.num_classes))
+    spec = ModelSpec(name, tuple(ds.input_shape), int(ds.num_classes), registered_models().get(name))
     torch.manual_seed(cfg.seed)
     try:
         model = spec.build()
+        check_model(name, model, spec.input_shape, spec.num_outputs, cfg.dataset)
         initial = to_vector(model)
-    except (RuntimeError, ValueError) as e:
-        raise UserError(f"model={name!r} does not fit dataset {cfg.dataset!r} of shape {ds.input_shape}: {e}")
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a user's factory may raise anything: one line
+        raise UserError(f"model={name!r} does not fit dataset {cfg.dataset!r} of shape {ds.input_shape}: "
+                        f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
     groups = [c.group for c in fed.clients]
     info = RunInfo(n_clients=cfg.clients, rounds=cfg.rounds, participation=cfg.participation, seed=cfg.seed,
                    n_train=[len(c.train) for c in fed.clients], task=ds.task,
@@ -86,4 +97,6 @@ def prepare(cfg: Config) -> Prepared:
         except ValueError as e:
             raise UserError(str(e)) from None
     data_id = data_identity(ds, fed) if cfg.stage_cache else ""
-    return Prepared(cfg, algorithm, ds, fed, spec, initial, info, data_id)
+    from rayfl.plugins import carried
+
+    return Prepared(cfg, algorithm, ds, fed, spec, initial, info, data_id, plugins=carried())

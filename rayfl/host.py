@@ -19,18 +19,18 @@ import torch
 
 from rayfl import privacy, training
 from rayfl.algorithms.base import ClientLogic
+from rayfl.batch import pack
 from rayfl.client import Bench, Client, TrainSettings, eval_pass, evaluate_together
+from rayfl.data import ClientData, materialize
 from rayfl.experiment import ModelSpec
 from rayfl.reduce import ClippedSum, Partial, accumulate
-from rayfl.runtime import pack
+from rayfl.snapshot import dumps, loads
 
 
 class ClientHost:
     def __init__(self, cfg, algorithm, model_spec: ModelSpec, task: str, x, y, client_data: dict,
                  initial: np.ndarray, device: str = "cpu", share: Callable = lambda v: v,
                  resolve: Callable[[list], list] = lambda hs: list(hs), holdout: np.ndarray | None = None):
-        from rayfl.data import materialize
-
         torch.set_num_threads(cfg.torch_threads)
         # numpy's BLAS too (FedFomo's distances, reductions): its default, one thread per core, spins against
         # the other actors' threads (a 159k-element dot took 23 ms instead of 0.9 ms on the 2-core box)
@@ -64,9 +64,7 @@ class ClientHost:
     def _holdout(self, x, y, holdout: np.ndarray, cd, device: str) -> tuple:
         """The balanced global test set (Federation.holdout) as a "global" split, under the client's evaluation
         transform; materialized once per host and transform, for algorithms whose ClientLogic sets
-        ``uses_holdout`` (FedMoE's global test accuracy, spec 001 §8)."""
-        from rayfl.data import ClientData, materialize
-
+        ``uses_holdout`` (FedMoE's global test accuracy, Listo Zec et al., 2020, §4)."""
         cache = self._holdout_cache
         key = repr(cd.transform.get("eval", {k: v for k, v in cd.transform.items() if k != "eval"}))
         if key not in cache:
@@ -198,7 +196,7 @@ class ClientHost:
         fresh = self._changed | (self.clients.keys() - self._encoded.keys())
         for cid in fresh:
             c = self.clients[cid]
-            self._encoded[cid] = _dump({"model": c.weights(), "state": c.state,
+            self._encoded[cid] = dumps({"model": c.weights(), "buffers": c.buffers(), "state": c.state,
                                         "optimizer": c.optimizer.state_dict() if c.optimizer else None,
                                         "gen": c.gen.get_state(), "rng": c.rng.bit_generator.state})
         self._changed = set()
@@ -206,8 +204,6 @@ class ClientHost:
 
     def load_state(self, *states: dict[int, bytes]) -> None:
         """Clients back as blobs say; several dicts are a chain of saves, a later blob replacing an earlier one."""
-        from rayfl.snapshot import loads
-
         self.bench.release()
         merged: dict[int, bytes] = {}
         for part in states:
@@ -218,6 +214,7 @@ class ClientHost:
             c = self.clients[cid]
             st = loads(blob, device=self.device)
             c.set_weights(st["model"])
+            c.set_buffers(st.get("buffers"))  # buffers=local: its own BatchNorm statistics
             c.state = st["state"]
             if st["optimizer"] is not None and c.optimizer is not None:
                 c.optimizer.load_state_dict(st["optimizer"])
@@ -231,8 +228,3 @@ class ClientHost:
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
                 "torch_threads": torch.get_num_threads()}
 
-
-def _dump(obj: Any) -> bytes:
-    from rayfl.snapshot import dumps
-
-    return dumps(obj)

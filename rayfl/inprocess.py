@@ -28,7 +28,8 @@ def execute(loop: Loop, tracker=None) -> dict:
         loop.runtime.shutdown()
     return {"final": loop.final, "history": loop.history, "per_client": loop.last_eval,
             "run_id": tracker.run_id if tracker else None,
-            "experiment_id": tracker.experiment_id if tracker else None, "client_restarts": loop.restarts}
+            "experiment_id": tracker.experiment_id if tracker else None, "client_restarts": loop.restarts,
+            "tracking_unsent": tracker.unsent_line() if tracker else None}
 
 
 class _Rounds(Callback):

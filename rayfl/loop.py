@@ -30,6 +30,14 @@ class RunStopped(Exception):
     """The submitter asked the run to stop (Ctrl-C, a Tune scheduler): it ends between two rounds."""
 
 
+class NoCapacity(RuntimeError):
+    """Client actors were lost (their node left the cluster) and no room for them came up within
+    ``capacity_wait`` seconds: the run ends, its newest snapshot written as its checkpoint (``checkpoint``:
+    that file's directory and round, or None when there was none to write)."""
+
+    checkpoint: tuple[str, int] | None = None
+
+
 class Callback:
     """Hooks the loop calls; tracking, Tune reporting and progress display are callbacks."""
 
@@ -272,12 +280,40 @@ class Loop:
         """Everything needed to go on after the round ``step``: server, clients, RNGs and history, as plain
         data (rayfl.snapshot), with the rayfl version and the config it belongs to (in ``directory``,
         default the run's checkpoint directory; the stage cache passes its own)."""
+        self._write_checkpoint(step, {"server": self.server.state_dict(), "clients": self.runtime.client_states(),
+                                      "rng": self.rng.bit_generator.state,
+                                      "server_rng": self.server.rng.bit_generator.state,
+                                      "history": self.history, "last_eval": self.last_eval,
+                                      "setup_metrics": self.setup_metrics, "dp_history": self.dp_history}, directory)
+
+    def checkpoint_snapshot(self, snap: dict) -> tuple[str, int] | None:
+        """The in-memory snapshot ``snap`` written as the run's checkpoint, with no client actor to ask: when
+        the clients' hosts are gone for good. Not when the run keeps no checkpoints, the snapshot is from
+        before the first round or its clients are not held here, or the checkpoint on disk is as new.
+        Returns (directory, round) of the checkpoint left, or None."""
+        if not self.checkpoint_dir or snap["step"] < 0:
+            return None
+        on_disk = (self.read_checkpoint(self.checkpoint_dir, self.cfg) if self.has_checkpoint(self.checkpoint_dir)
+                   else None)
+        if on_disk is not None and on_disk["step"] >= snap["step"]:
+            return self.checkpoint_dir, on_disk["step"]
+        clients: dict = {}
+        for parts in snap["clients"]:  # a chain of saves, oldest first, one part per host
+            for part in parts:
+                if not isinstance(part, dict):
+                    return (self.checkpoint_dir, on_disk["step"]) if on_disk is not None else None
+                clients.update(part)
+        driver = snapshot.loads(snap["driver"])
+        self._write_checkpoint(snap["step"], {"server": driver["server"], "clients": clients, "rng": driver["rng"],
+                                              "server_rng": driver["server_rng"],
+                                              "history": self.history[:snap["history"]],
+                                              "last_eval": snap["last_eval"], "setup_metrics": snap["setup_metrics"],
+                                              "dp_history": driver["dp_history"]})
+        return self.checkpoint_dir, snap["step"]
+
+    def _write_checkpoint(self, step: int, parts: dict, directory: str | None = None) -> None:
         values, digest = config_fingerprint(self.cfg)
-        state = {"rayfl_version": _version(), "config_hash": digest, "config": values, "step": step,
-                 "server": self.server.state_dict(), "clients": self.runtime.client_states(),
-                 "rng": self.rng.bit_generator.state, "server_rng": self.server.rng.bit_generator.state,
-                 "history": self.history, "last_eval": self.last_eval, "setup_metrics": self.setup_metrics,
-                 "dp_history": self.dp_history}
+        state = {"rayfl_version": _version(), "config_hash": digest, "config": values, "step": step, **parts}
         path = self.checkpoint_path(directory)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         snapshot.save(path, state)  # atomic: never a half-written checkpoint
@@ -299,8 +335,11 @@ class Loop:
             missing = _CHECKPOINT_KEYS - set(state) if isinstance(state, dict) else _CHECKPOINT_KEYS
             if missing:
                 raise snapshot.SnapshotError(f"not a rayfl checkpoint: no {', '.join(sorted(missing))}")
-            for blob in state["clients"].values():  # opaque bytes until a client loads them: check them here
-                snapshot.loads(blob)
+            for cid, blob in state["clients"].items():  # opaque bytes until a client loads them: check them here
+                try:
+                    snapshot.loads(blob)
+                except snapshot.SnapshotError as e:
+                    raise snapshot.SnapshotError(f"clients[{cid}]: {e}") from None
         except (OSError, snapshot.SnapshotError, AttributeError, TypeError) as e:
             raise UserError(f"checkpoint={path}: unreadable ({e})") from None
         if state["rayfl_version"] != _version():
@@ -358,7 +397,11 @@ class Loop:
         return snap["step"] + 1
 
     def keep_snapshot(self, snap: dict) -> None:
-        """Two are kept: the newest may have been cut short by the very fault it is meant to undo."""
+        """Two are kept: the newest may have been cut short by the very fault it is meant to undo. The runtime
+        first makes the clients' part outlive their hosts (under Ray: copied into this process)."""
+        keep = getattr(self.runtime, "keep_clients", None)
+        if keep is not None:
+            keep(snap["clients"])
         self.snapshots = [*self.snapshots[-1:], snap]
 
     def recover(self, lost: ClientsLost, step: int) -> int:
@@ -374,6 +417,9 @@ class Loop:
             except ClientsLost as again:  # this snapshot went down with its actor
                 lost = again
                 continue
+            except NoCapacity as e:  # the clients cannot be hosted again: keep what the newest snapshot holds
+                e.checkpoint = self.checkpoint_snapshot(self.snapshots[-1])
+                raise
             self.snapshots = [snap]
             event = {"step": step, "from_step": snap["step"], "restarts": self.restarts, "cause": str(lost)}
             for cb in self.callbacks:

@@ -1,8 +1,10 @@
-"""The evaluation summary across clients (DESIGN.md section 6, pFL-Bench's protocol).
+"""The evaluation summary across clients, after pFL-Bench's protocol (Chen et al., 2022, arXiv 2206.03655).
 
 Every client is evaluated on its own test split; a round is summarised by the unweighted mean, the
 sample-weighted mean, the sample standard deviation across clients (PersFL's fairness measure), the
-worst client and the mean of the bottom 10% of clients, for accuracy and for loss.
+worst client and the mean of the bottom 10% of clients, for accuracy and for loss. Hyperparameters are
+chosen on validation, never on test, and the final round is the result, not the best round over test
+(reporting the maximum over rounds of test accuracy, as some libraries do, overstates it).
 """
 
 from __future__ import annotations

@@ -13,20 +13,24 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 MASK_COLOUR = "#bdbdbd"  # cells without a value (FedFomo: a model the client did not download), hatched
 
-# What a client-by-client matrix holds, per (algorithm, artifact name): its title, its axes, whether its values
-# are signed (a diverging colour map centred at 0) and what a missing (NaN) cell means.
-MATRICES = {
-    ("fedfomo", "P"): ("FedFomo affinity P: p_ij summed over rounds (row: client i, column: client j)",
-                       ("client j", "client i"), True, None),
-    ("fedfomo", "weights"): ("FedFomo weights w*_ij of the last update (row: client, column: downloaded model)",
-                             ("downloaded model (client id)", "client"), False, "not downloaded"),
-    ("fedfomo", "weights_raw"): ("FedFomo raw weights w_ij of the last update (row: client, column: downloaded "
-                                 "model)", ("downloaded model (client id)", "client"), True, "not downloaded"),
-    ("federico", "W"): ("FedeRiCo collaborator weights w_ij (row: client, column: collaborator)",
-                        ("collaborator j", "client i"), False, None),
-    ("usercentric", "W"): ("User-centric aggregation weights w_ij (row: user, column: user whose update is mixed)",
-                           ("user j (update)", "user i"), False, None),
-}
+
+def caption(algo: str, name: str, values) -> tuple[str, tuple[str, str], bool, str | None]:
+    """(title, (x label, y label), diverging, what a missing cell means) of the matrix artifact ``name`` of the
+    algorithm ``algo``: as the algorithm declares it (``Algorithm.plots``), else a plain caption; diverging (a
+    colour map centred at 0) when it says so, or when it leaves that open and some value is negative."""
+    from rayfl.algorithms import get_algorithm
+
+    try:
+        matrix = get_algorithm(algo).plots.get(name)
+    except KeyError:
+        matrix = None
+    finite = np.asarray(values, dtype=float)
+    finite = finite[np.isfinite(finite)]
+    signed = bool(finite.size and finite.min() < 0)
+    if matrix is None:
+        return f"{algo}: {name} (row: client, column: client)", ("client j", "client i"), signed, None
+    diverging = signed if matrix.diverging is None else matrix.diverging
+    return matrix.title, (matrix.xlabel, matrix.ylabel), diverging, matrix.missing
 
 
 def _wrap(title: str, width: int = 60) -> str:
@@ -70,9 +74,7 @@ def heatmap(matrix, title: str, xlabel: str = "client j", ylabel: str = "client 
 
 def matrix_plot(algo: str, name: str, matrix):
     """The heatmap of one algorithm artifact, titled with what it holds."""
-    signed = bool(np.nanmin(matrix) < 0) if np.isfinite(matrix).any() else False
-    title, (xlabel, ylabel), diverging, missing = MATRICES.get(
-        (algo, name), (f"{algo}: {name} (row: client, column: client)", ("client j", "client i"), signed, None))
+    title, (xlabel, ylabel), diverging, missing = caption(algo, name, matrix)
     return heatmap(matrix, title, xlabel, ylabel, diverging=diverging, missing=missing)
 
 
@@ -144,9 +146,7 @@ def matrix_rounds(algo: str, name: str, matrices: dict[int, np.ndarray]):
     rounds = sorted(matrices)
     stack = np.stack([np.asarray(matrices[r], dtype=float) for r in rounds])
     finite = stack[np.isfinite(stack)]
-    title, (xlabel, ylabel), diverging, _ = MATRICES.get(
-        (algo, name), (f"{algo}: {name} (row: client, column: client)", ("client j", "client i"),
-                       bool(finite.size and finite.min() < 0), None))
+    title, (xlabel, ylabel), diverging, _ = caption(algo, name, stack)
     if diverging:
         bound = float(np.max(np.abs(finite))) if finite.size else 1.0
         cmap, norm = plt.get_cmap("RdBu_r"), TwoSlopeNorm(vcenter=0.0, vmin=-(bound or 1.0), vmax=bound or 1.0)

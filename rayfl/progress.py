@@ -194,3 +194,17 @@ def mlflow_hint(tracking_uri: str, experiment_id: str, run_id: str | None = None
     lines.append('  (if MLflow shows its GenAI overview instead, click "Model training" in the GenAI | Model training '
                  'switch at the top left)')
     return "\n".join(lines)
+
+
+def summary_table(final: dict) -> str:
+    """The closing table of a run or a sweep's best trial: each metric's summary across clients, a row each."""
+    extra = sorted(k[:-5] for k in final if k.endswith("_acc_mean") and k[:-5] not in ("test_acc", "val_acc"))
+    metrics = [m for m in ("test_acc", "val_acc", "test_loss", *extra) if f"{m}_mean" in final]  # FedMoE's too
+    width = max([10, *(len(m) + 2 for m in metrics)])
+    stats = ("mean", "weighted_mean", "std", "worst", "bottom10_mean")
+    rows = [f"{m:{width}s}" + "".join(f"{final.get(f'{m}_{s}', float('nan')):>12.4f}" for s in stats) for m in metrics]
+    if "dp_epsilon_max" in final:  # differential privacy: the ε reached, beside the accuracy (worst: the largest)
+        rows.append(f"{'dp_epsilon':{width}s}" + "".join(
+            f"{final.get(k, float('nan')):>12.4f}" for k in ("dp_epsilon_mean", "", "", "dp_epsilon_max", "")))
+    head = f"{'':{width}s}" + "".join(f"{h:>12s}" for h in ("mean", "weighted", "std", "worst", "bottom10%"))
+    return "\n".join([head, *rows])

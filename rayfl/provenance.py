@@ -59,6 +59,10 @@ def origin(command: str | None = None) -> dict[str, str]:
     """Tags known only to the submitting process: version, commit, command, working directory."""
     tags = {"rayfl.version": version(), "rayfl.command": command or command_line(),
             "rayfl.cwd": os.getcwd(), "mlflow.source.name": "rayfl", "mlflow.source.type": "LOCAL"}
+    from rayfl.plugins import loaded_sources
+
+    if loaded_sources():  # where a plugin's algorithm, dataset or model came from
+        tags["rayfl.plugins"] = ", ".join(loaded_sources())
     commit = git_commit()
     if commit:
         tags["rayfl.git_commit"] = commit

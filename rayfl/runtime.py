@@ -95,25 +95,6 @@ def group_by_host(messages: dict[int, dict], host_of: dict[int, int]) -> dict[in
     return batches
 
 
-def pack(items: list[tuple[int, dict]]) -> tuple[list[int], list[dict], list[int]]:
-    """A host's batch as it travels: each distinct message object once, with the index of each client's. A
-    message the server sends to every client (FedAvg's global model: ``dict.fromkeys``) is serialized, and its
-    model handles resolved, once per host instead of once per client."""
-    index: dict[int, int] = {}
-    messages, which = [], []
-    for _, msg in items:
-        k = index.setdefault(id(msg), len(messages))
-        if k == len(messages):
-            messages.append(msg)
-        which.append(k)
-    return [cid for cid, _ in items], messages, which
-
-
-def unpack(packed: tuple[list[int], list[dict], list[int]]) -> list[tuple[int, dict]]:
-    cids, messages, which = packed
-    return [(cid, messages[k]) for cid, k in zip(cids, which)]
-
-
 def gather(batches: dict[int, list], results: list[tuple[list, dict]], reduce) -> Uploads:
     """Uploads by client id from each host's (uploads, partial sum), and the reduction combined in host order."""
     out = Uploads(reduced=combine(reduce, [partial for _, partial in results]))

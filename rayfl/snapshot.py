@@ -14,6 +14,7 @@ can name a class to build or a function to call, so a crafted file cannot run co
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from typing import Any
@@ -173,26 +174,67 @@ def loads(data: bytes | bytearray | memoryview, device: str = "cpu") -> Any:
     try:
         head = json.loads(bytes(data[pos:pos + n]))
         tree, meta = head["tree"], head["arrays"]
+        if not isinstance(meta, list):
+            raise TypeError("'arrays' is not a list")
+    except RecursionError:
+        raise SnapshotError("unreadable snapshot header: nested past Python's recursion limit") from None
     except (ValueError, KeyError, TypeError) as e:
-        raise SnapshotError(f"unreadable snapshot header: {e}") from None
+        raise SnapshotError(f"unreadable snapshot header: {type(e).__name__}: {str(e)[:200]}") from None
     pos += n
     arrays = []
-    for m in meta:
-        dtype = _plain_dtype(m["t"])
-        shape = tuple(int(s) for s in m["s"])
-        if any(s < 0 for s in shape):
-            raise SnapshotError(f"negative array shape {shape}")
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    for i, m in enumerate(meta):
+        dtype, shape = _array_meta(i, m)
+        nbytes = math.prod(shape) * dtype.itemsize  # Python integers: a declared terabyte does not wrap around
         if pos + nbytes > len(data):
-            raise SnapshotError("truncated snapshot data")
+            raise SnapshotError(f"truncated snapshot data: array {i} declares shape {shape} of {dtype} "
+                                f"({nbytes:,} bytes), {len(data) - pos:,} bytes are left")
         arrays.append(np.frombuffer(data[pos:pos + nbytes], dtype=dtype).reshape(shape).copy())
         pos += nbytes
     if pos != len(data):
         raise SnapshotError("trailing bytes after the snapshot data")
     try:
         return _decode(tree, arrays, device)
-    except (KeyError, TypeError, ValueError) as e:
-        raise SnapshotError(f"malformed snapshot: {type(e).__name__}: {e}") from None
+    except RecursionError:
+        raise SnapshotError("malformed snapshot: nested past Python's recursion limit") from None
+    except (SnapshotError, KeyError, TypeError, ValueError, AttributeError, RuntimeError) as e:
+        try:
+            where = _failing_node(tree, arrays, device, "")
+        except RecursionError:
+            where = ""
+        problem = str(e) if isinstance(e, SnapshotError) else f"{type(e).__name__}: {str(e)[:200]}"
+        raise SnapshotError(f"malformed snapshot{' at ' + where if where else ''}: {problem}") from None
+
+
+_DECODE_ERRORS = (SnapshotError, KeyError, TypeError, ValueError, AttributeError, RuntimeError)
+
+
+def _failing_node(node: Any, arrays: list, device: str, path: str) -> str:
+    """Where in the tree decoding fails (``.server.P``, ``[2]``): the deepest node whose children all decode.
+    Walked only after a failure, so that loading stays one pass."""
+    if isinstance(node, list):
+        children = [(f"{path}[{i}]", v) for i, v in enumerate(node)]
+    elif isinstance(node, dict) and node.get("$") in ("dict", "tuple", "map") and isinstance(node.get("v"), (dict, list)):
+        v = node["v"]
+        children = [(f"{path}.{k}", c) for k, c in v.items()] if isinstance(v, dict) else \
+            [(f"{path}[{i}]", c) for i, c in enumerate(v)]
+    else:
+        children = []
+    for child_path, child in children:
+        try:
+            _decode(child, arrays, device)
+        except _DECODE_ERRORS:
+            return _failing_node(child, arrays, device, child_path)
+    return path
+
+
+def _array_meta(i: int, m: Any) -> tuple[np.dtype, tuple[int, ...]]:
+    """An array's declared dtype and shape: a plain dtype and a list of integers >= 0."""
+    if not isinstance(m, dict) or "t" not in m or not isinstance(m.get("s"), list):
+        raise SnapshotError(f"array {i}: its entry in the header is not {{\"t\": dtype, \"s\": shape}}")
+    shape = m["s"]
+    if len(shape) > 32 or not all(type(s) is int and s >= 0 for s in shape):
+        raise SnapshotError(f"array {i}: shape {str(shape)[:100]} is not a list of at most 32 integers >= 0")
+    return _plain_dtype(m["t"]), tuple(shape)
 
 
 def save(path: str, obj: Any) -> None:
@@ -208,3 +250,73 @@ def save(path: str, obj: Any) -> None:
 def load(path: str, device: str = "cpu") -> Any:
     with open(path, "rb") as f:
         return loads(f.read(), device)
+
+
+# --------------------------------------------------------------------------------------------------
+# validation against a template (a fresh state of the same kind)
+# --------------------------------------------------------------------------------------------------
+def check_like(value: Any, template: Any, where: str) -> None:
+    """Refuse ``value`` (loaded from a file) where it cannot stand in for ``template`` (the same state, made
+    fresh): SnapshotError naming the field (``where`` and the path below it).
+
+    Generic, so that no algorithm is named: every array or tensor of the template must be one of the same
+    kind, shape and dtype (an empty one only of as many dimensions: it is filled in later), and finite where
+    the template's is (all of it); every key of a string-keyed mapping must be
+    there (keys added later in a run are let through); sequences of the template's length are checked item
+    by item (a list that grows in a run is not); a number must stay a number. ``None`` in the template,
+    something set later, takes anything."""
+    stack = [(value, template, where)]
+    while stack:
+        v, t, path = stack.pop()
+        if t is None:
+            continue
+        if _is_array(t):
+            _check_array(v, t, path)
+        elif isinstance(t, dict):
+            if not isinstance(v, dict):
+                raise SnapshotError(f"{path}: a {_kind(v)}, expected a mapping")
+            for k in t:
+                if k not in v:
+                    raise SnapshotError(f"{path}: no {k!r}")
+                stack.append((v[k], t[k], f"{path}.{k}" if isinstance(k, str) else f"{path}[{k!r}]"))
+        elif isinstance(t, (list, tuple)):
+            if not isinstance(v, (list, tuple)):
+                raise SnapshotError(f"{path}: a {_kind(v)}, expected a sequence")
+            if len(v) == len(t):
+                stack.extend((a, b, f"{path}[{i}]") for i, (a, b) in enumerate(zip(v, t)))
+        elif isinstance(t, (bool, np.bool_)):
+            if not isinstance(v, (bool, np.bool_)):
+                raise SnapshotError(f"{path}: a {_kind(v)}, expected true or false")
+        elif isinstance(t, (int, float, np.number)):
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.number)):
+                raise SnapshotError(f"{path}: a {_kind(v)}, expected a number")
+        elif isinstance(t, str) and not isinstance(v, str):
+            raise SnapshotError(f"{path}: a {_kind(v)}, expected a string")
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, np.ndarray) or type(x).__module__.split(".")[0] == "torch" and hasattr(x, "shape")
+
+
+def _kind(x: Any) -> str:
+    return "tensor" if _is_array(x) and not isinstance(x, np.ndarray) else type(x).__name__
+
+
+def _check_array(v: Any, t: Any, path: str) -> None:
+    if not _is_array(v) or isinstance(v, np.ndarray) != isinstance(t, np.ndarray):
+        raise SnapshotError(f"{path}: a {_kind(v)}, expected a {_kind(t)}")
+    placeholder = math.prod(t.shape) == 0  # an empty array filled in later (clusters found, rounds seen)
+    if (v.ndim != t.ndim if placeholder else tuple(v.shape) != tuple(t.shape)) or v.dtype != t.dtype:
+        expected = f"{t.ndim} dimensions" if placeholder else f"{tuple(t.shape)}"
+        raise SnapshotError(f"{path}: shape {tuple(v.shape)} of {v.dtype}, expected {expected} of {t.dtype}")
+    if placeholder:  # nothing to say which values it may hold
+        return
+    if isinstance(v, np.ndarray):
+        bad = v.dtype.kind in "fc" and np.isfinite(t).all() and not np.isfinite(v).all()
+    else:
+        import torch
+
+        bad = ((v.is_floating_point() or v.is_complex()) and bool(torch.isfinite(t).all())
+               and not bool(torch.isfinite(v).all()))
+    if bad:
+        raise SnapshotError(f"{path}: holds NaN or infinite values")

@@ -10,14 +10,18 @@ set of one-point charts), final weights, plots, and whatever the algorithm keeps
 
 Everything, from importing MLflow and opening the store and the experiment to creating the run, is done by
 one background thread (:class:`Writer`): a driver starts it while its client actors start, the run exists
-before the first round, and no round waits on the tracking store after that; rounds shorter than a second
-share one call to the store for their metrics and one for their tables; what the thread costs is logged
-with each round (``tracking_cpu_seconds``: its CPU time since the round before, which holds the batches
-sent so far) and for all rounds (the tag ``rayfl.tracking_cpu_seconds``, the last batch included; after a
-driver restart, the rounds of the driver that ended the run). The run is closed only after the writer has
-drained its queue, when the run ends and when it fails, so nothing queued is lost. A store that fails ends
-the run at the next round; a checkpoint waits for the queue; a process killed outright loses what was
-queued.
+before the first round, and no round waits on the tracking store after that. The writer turns each round into
+records (metrics, and files written straight into the run directory's outbox); a second thread
+(:class:`rayfl.tracking_outbox.Sender`) sends them, and waits out a tracking server that stops answering with
+the records kept. Rounds shorter than a second share one call to the store for their metrics and one for their
+files; what the two threads cost is logged with each round (``tracking_cpu_seconds``: their CPU time since the
+round before, which holds the batches sent so far) and for all rounds (the tag ``rayfl.tracking_cpu_seconds``,
+the last batch included; after a driver restart, the rounds of the driver that ended the run). The run is
+closed only after every record is sent, when the run ends and when it fails, waiting at most ``tracking_wait``
+seconds for an away server; what is left then stays in the outbox for ``rayfl sync``. A store that rejects
+what it is sent ends the run at the next round; a checkpoint makes what was reported durable (sent, or kept
+in the outbox); a reopened run (a restarted driver, a resume) does not log a round its MLflow run holds; a
+process killed outright loses the metrics it had not sent, not its files.
 """
 
 from __future__ import annotations
@@ -323,10 +327,16 @@ class MlflowTracker(Callback):
         self.reopen = run_id
         self.client_metrics = False
         self.writer: Writer | None = None
+        self.sender = None  # rayfl.tracking_outbox.Sender, once the run exists
+        self.outbox = None  # rayfl.tracking_outbox.Outbox in the run directory
+        self.wait = 300.0  # tracking_wait: the most the run's end waits for a server that does not answer
+        self.unsent: str | None = None  # the outbox directory, when the run ended with records not sent
         self._pending: list = []  # metrics waiting for the writer's next batch
-        self._staged = False  # round files waiting for it (in self._tmp/staged)
+        self._files: str | None = None  # the outbox's files tree that the next batch takes
+        self._logged_upto = 0  # a reopened run: the last round its MLflow run (or outbox) already holds
+        self._setup_logged = False
         self._sent = 0.0
-        self._cpu_mark = 0.0  # the writer's cpu_seconds when the last round's metrics were made
+        self._cpu_mark = 0.0  # the writer's and sender's cpu_seconds when the last round's metrics were made
         self._cpu_start = 0.0  # ... when the first round began
         self.algo = ""
         self.partition = partition
@@ -334,11 +344,15 @@ class MlflowTracker(Callback):
         self.kept: dict[str, dict[int, np.ndarray]] = {}  # square round artifacts at a few rounds, for one figure
         self._keep_rounds: set[int] = set()
         self._client = None
-        self._tmp = tempfile.mkdtemp(prefix="rayfl-artifacts-")
+        self._scratch: str | None = None  # a run without a run directory (compare's children): a private one
 
     # --- writing, in the background -------------------------------------------------------------
     def _submit(self, job: Callable[[], None]) -> None:
         self.writer.submit(job)
+
+    def _cpu(self) -> float:
+        """CPU time the writer and the sender have spent: what tracking costs the run."""
+        return self.writer.cpu_seconds + (self.sender.cpu_seconds if self.sender is not None else 0.0)
 
     def _log_metrics(self, metrics: dict[str, float], step: int) -> None:
         """Queued for the next batch: a call to the store costs about as much as 60 values in it, so rounds
@@ -351,38 +365,58 @@ class MlflowTracker(Callback):
             self._send_metrics()
 
     def _send_metrics(self) -> None:
-        """The metrics and the round files queued for the next batch, sent to the store."""
+        """The metrics and the files queued for the next batch, handed to the sender: one call for the
+        metrics, one for the files (a round's files: one call a second instead of one a file)."""
         items, self._pending = self._pending, []
         self._sent = time.monotonic()
         if items:
             self._log_items(items)
-        if self._staged:
-            staged = os.path.join(self._tmp, "staged")
-            self._client.log_artifacts(self.run_id, staged)  # its tree: staged/results/clients/round_0001.csv
-            shutil.rmtree(staged)
-            self._staged = False
+        if self._files is not None:
+            self.sender.put(("files", self._files))
+            self._files = None
 
     def _log_items(self, items: list) -> None:
-        for start in range(0, len(items), 1000):  # MLflow's limit per batch
-            self._client.log_batch(self.run_id, metrics=items[start:start + 1000], synchronous=True)
+        self.sender.put(("metrics", items))
 
-    def _log_file(self, name: str, write: Callable[[str], None], artifact_path: str, batched: bool = False) -> None:
-        """``write(path)`` makes the file; ``batched``: it goes to the store with the next batch of metrics, all
-        such files in one call (a round's files: one call a second instead of one a file, about 1.0 ms a file
-        against 0.3 with a SQLite store and 1,000-row tables)."""
-        if batched:
-            folder = os.path.join(self._tmp, "staged", artifact_path)
-            os.makedirs(folder, exist_ok=True)
-            write(os.path.join(folder, name))
-            self._staged = True
-            return
-        path = os.path.join(self._tmp, name)
-        write(path)
-        self._client.log_artifact(self.run_id, path, artifact_path)
-        os.remove(path)
+    def _log_tags(self, tags: dict[str, str]) -> None:
+        self.sender.put(("tags", [(k, str(v)) for k, v in tags.items()]))
 
-    def _log_array(self, name: str, array, artifact_path: str, batched: bool = False) -> None:
-        self._log_file(name, lambda p: np.save(p, np.asarray(array)), artifact_path, batched)
+    def _log_file(self, name: str, write: Callable[[str], None], artifact_path: str) -> None:
+        """``write(path)`` makes the file, in the outbox's files tree under ``artifact_path``; it goes to the
+        store with the next batch of metrics, the batch's files in one call."""
+        if self._files is None:
+            self._files = self.outbox.new_files()
+        folder = os.path.join(self.outbox.files, self._files, artifact_path)
+        os.makedirs(folder, exist_ok=True)
+        write(os.path.join(folder, name))
+
+    def _log_array(self, name: str, array, artifact_path: str) -> None:
+        self._log_file(name, lambda p: np.save(p, np.asarray(array)), artifact_path)
+
+    def _log_dict(self, obj: dict, artifact_file: str) -> None:
+        """As MLflow's log_dict writes a .json file."""
+        import json
+
+        folder, name = os.path.split(artifact_file)
+
+        def write(p):
+            with open(p, "w") as f:
+                json.dump(obj, f, indent=2, default=str)
+
+        self._log_file(name, write, folder)
+
+    def _log_text(self, text: str, artifact_file: str) -> None:
+        folder, name = os.path.split(artifact_file)
+
+        def write(p):
+            with open(p, "w") as f:
+                f.write(text)
+
+        self._log_file(name, write, folder)
+
+    def _log_figure(self, fig, artifact_file: str) -> None:
+        folder, name = os.path.split(artifact_file)
+        self._log_file(name, fig.savefig, folder)
 
     def _log_object(self, name: str, obj, path: str) -> None:
         import pandas as pd
@@ -390,23 +424,24 @@ class MlflowTracker(Callback):
         if isinstance(obj, pd.DataFrame):
             self._log_file(f"{name}.csv", lambda p: obj.to_csv(p, index=False), path)
         elif isinstance(obj, dict):
-            self._client.log_dict(self.run_id, obj, f"{path}/{name}.json")
+            self._log_dict(obj, f"{path}/{name}.json")
         elif hasattr(obj, "savefig"):
-            self._client.log_figure(self.run_id, obj, f"{path}/{name}.png")
+            self._log_figure(obj, f"{path}/{name}.png")
         else:
             self._log_array(f"{name}.npy", obj, path)
             arr = np.asarray(obj)
             if arr.ndim == 2 and arr.shape[0] == arr.shape[1] and arr.shape[0] > 1:
                 from rayfl.plots import matrix_plot
 
-                self._client.log_figure(self.run_id, matrix_plot(self.algo, name, arr), f"plots/{name}.png")
+                self._log_figure(matrix_plot(self.algo, name, arr), f"plots/{name}.png")
 
     def open(self) -> None:
         """Start the writer and have it import MLflow, open the store and the experiment (2-4 s of one core
         with a SQLite store) while this process does other work: a driver calls it while its client actors
         start. Then the writer yields the CPU to the rounds."""
         if self.writer is None:
-            self.writer = Writer(idle=self._send_metrics, every=METRICS_EVERY)
+            self.writer = Writer(idle=lambda: self._send_metrics() if self.sender is not None else None,
+                                 every=METRICS_EVERY)
             self._submit(self._connect)
 
     def _connect(self) -> None:
@@ -420,15 +455,32 @@ class MlflowTracker(Callback):
             raise UserError(store_error(self.uri, self.experiment or self.experiment_id, e)) from None
         yield_cpu()
 
+    def _already_logged(self, run_id: str) -> None:
+        """A reopened run (a driver restarted, a run resumed): the last round it holds, in MLflow or in the
+        outbox, and whether its setup was logged; those are not logged a second time."""
+        steps = [m.step for m in self._client.get_metric_history(run_id, "participants")]
+        setup = any(k.startswith("setup/") for k in self._client.get_run(run_id).data.metrics)
+        unsent = self.outbox.unsent()["metrics"]
+        steps += [s for k, s, _, _ in unsent if k == "participants"]
+        self._logged_upto = max(steps, default=0)
+        self._setup_logged = setup or any(k.startswith("setup/") for k, *_ in unsent)
+
     # --- callback hooks -------------------------------------------------------------------------
     def on_start(self, loop) -> None:
         """The run is created (or reopened) by the writer, and exists before the first round: MLflow's imports
         and store would otherwise slow the first rounds, and a store that cannot be opened ends the run here."""
         from rayfl.provenance import run_tags
+        from rayfl.tracking_outbox import Outbox, Sender, outbox_dir
 
         self.open()
         self.algo = loop.cfg.algo
+        self.wait = float(getattr(loop.cfg, "tracking_wait", self.wait))
         self.client_metrics = loop.cfg.clients <= loop.cfg.client_metrics
+        if loop.checkpoint_dir:
+            root = loop.checkpoint_dir
+        else:
+            root = self._scratch = tempfile.mkdtemp(prefix="rayfl-mlflow-")
+        self.outbox = Outbox(outbox_dir(root))
         resume_file = os.path.join(loop.checkpoint_dir, "mlflow_run_id") if loop.checkpoint_dir else None
         resumed = bool(loop.start_step > 0 and resume_file and os.path.isfile(resume_file))
         reopen = self.reopen or (open(resume_file).read().strip() if resumed else None)
@@ -447,8 +499,10 @@ class MlflowTracker(Callback):
         self._keep_rounds = set(pick_rounds(len(loop.schedule())))
 
         def begin():
+            import json
+
             import pandas as pd
-            from mlflow.entities import Metric, Param
+            from mlflow.entities import Metric
             from mlflow.tracking.context.registry import resolve_tags
 
             from rayfl.plots import partition_plot
@@ -457,27 +511,33 @@ class MlflowTracker(Callback):
             if reopen:
                 self.run_id = reopen
                 client.update_run(reopen, status="RUNNING")
+                self._already_logged(reopen)
             else:
                 parent = {"mlflow.parentRunId": self.parent_run_id} if self.parent_run_id else {}
+                table = {"mlflow.loggedArtifacts": json.dumps([{"path": "results/clients.json", "type": "table"}])}
                 self.run_id = client.create_run(self.experiment_id, run_name=run_name,
-                                                tags=resolve_tags({**tags, **parent})).info.run_id
-                client.log_batch(self.run_id, params=[Param(k, str("" if v is None else v))
-                                                      for k, v in params.items()], synchronous=True)
-                client.log_text(self.run_id, yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False), "config.yaml")
-                client.log_dict(self.run_id, {"placement": placement}, "placement.json")
-                client.log_table(self.run_id, pd.DataFrame({"client": range(cfg.clients), "n_train": info.n_train,
-                                                            "group": info.groups or [None] * cfg.clients}),
-                                 "results/clients.json")
+                                                tags=resolve_tags({**tags, **parent, **table})).info.run_id
+            self.outbox.write_run(run_id=self.run_id, tracking_uri=self.uri, experiment_id=self.experiment_id,
+                                  status=None, end_time=None)
+            self.sender = Sender(client, self.run_id, self.uri, self.outbox, on_start=yield_cpu)
+            if not reopen:
+                self.sender.put(("params", [(k, str("" if v is None else v)) for k, v in params.items()]))
+                self._log_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False), "config.yaml")
+                self._log_dict({"placement": placement}, "placement.json")
+                clients = pd.DataFrame({"client": range(cfg.clients), "n_train": info.n_train,
+                                        "group": info.groups or [None] * cfg.clients})
+                self._log_file("clients.json", lambda p: clients.to_json(p, orient="split", index=False,
+                                                                          date_format="iso"), "results")
                 self._log_object("partition", report.table(), "results")
                 if report.counts is not None:
                     title = f"training labels per client: {setting(cfg)}"
-                    client.log_figure(self.run_id, partition_plot(report.counts, title), "plots/partition.png")
+                    self._log_figure(partition_plot(report.counts, title), "plots/partition.png")
             if reuse:  # a stored stage (rayfl.stage_cache): its rounds, as if they had run here
                 now = int(time.time() * 1000)
                 self._log_items([Metric(k, v, now, h["step"] + 1) for h in reused
                                  for k, v in _with_headline(numeric(h, finite_only=False)).items() if k != "step"])
-                client.set_tag(self.run_id, "rayfl.stage_reused", reuse[0])
-                client.set_tag(self.run_id, "rayfl.stage_key", reuse[1])
+                self._log_tags({"rayfl.stage_reused": reuse[0], "rayfl.stage_key": reuse[1]})
+            self._send_metrics()
             if resume_file:
                 os.makedirs(loop.checkpoint_dir, exist_ok=True)
                 with open(resume_file, "w") as f:
@@ -485,16 +545,19 @@ class MlflowTracker(Callback):
 
         self._submit(begin)
         self.writer.flush()
-        self._cpu_mark = self._cpu_start = self.writer.cpu_seconds  # start-up is not charged to the rounds
+        self._cpu_mark = self._cpu_start = self._cpu()  # start-up is not charged to the rounds
 
     def on_setup(self, loop) -> None:
-        if loop.setup_metrics:
+        if loop.setup_metrics and not self._setup_logged:
             metrics = {f"setup/{k}": v for k, v in numeric(loop.setup_metrics, finite_only=False).items()}
             self._submit(lambda: self._log_metrics(metrics, 0))
 
     def on_round(self, loop, record) -> None:
         self.writer.check()  # a store that failed ends the run now, not after its last round
+        self.sender.check()
         step, per_client = record.step, record.per_client
+        if step + 1 <= self._logged_upto:  # replayed after a driver restart: the run holds this round already
+            return
         metrics = {**_with_headline(numeric(record.metrics, finite_only=False)),
                    "participants": float(len(record.participants))}
         arrays = record.artifacts
@@ -505,11 +568,12 @@ class MlflowTracker(Callback):
 
         def job():
             # the writer's CPU since the previous round's job began (that job and the batches sent since)
-            values = {**metrics, "tracking_cpu_seconds": self.writer.cpu_seconds - self._cpu_mark}
-            self._cpu_mark = self.writer.cpu_seconds
+            cpu = self._cpu()
+            values = {**metrics, "tracking_cpu_seconds": cpu - self._cpu_mark}
+            self._cpu_mark = cpu
             if per_client:
                 self._log_file(f"round_{step + 1:04d}.csv", lambda p: write_client_table(p, step + 1, per_client),
-                               "results/clients", batched=True)
+                               "results/clients")
                 if self.client_metrics:
                     for cid, rec in per_client.items():
                         for k, v in numeric(rec, finite_only=False).items():
@@ -517,7 +581,7 @@ class MlflowTracker(Callback):
                                 values[f"{CLIENT_PREFIX}{cid}/{k}"] = v
             self._log_metrics(values, step + 1)  # rounds from 1, as on the console; setup is step 0
             for name, arr in arrays.items():
-                self._log_array(f"{name}_{step + 1:04d}.npy", arr, f"rounds/{name}", batched=True)
+                self._log_array(f"{name}_{step + 1:04d}.npy", arr, f"rounds/{name}")
 
         self._submit(job)
 
@@ -526,7 +590,7 @@ class MlflowTracker(Callback):
         n, step = event["restarts"], event["step"]
 
         def job():
-            self._client.set_tag(self.run_id, "rayfl.client_restarts", str(n))
+            self._log_tags({"rayfl.client_restarts": str(n)})
             self._log_metrics({"client_restarts": float(n)}, step)
 
         self._submit(job)
@@ -539,7 +603,7 @@ class MlflowTracker(Callback):
         # what the rounds cost the writer in all, their last batch included (a round's own metric cannot hold
         # the batches sent after it), the end-of-run artifacts apart: the tag rayfl.tracking_cpu_seconds
         self.writer.flush()
-        rounds_cpu = self.writer.cpu_seconds - self._cpu_start
+        rounds_cpu = self._cpu() - self._cpu_start
         info = loop.prepared.info
         table = client_table(loop.last_eval, info) if loop.last_eval else pd.DataFrame()
         history = rounds_table(loop.history)
@@ -563,40 +627,116 @@ class MlflowTracker(Callback):
             if vectors:  # personal weights only (FedAvg's clients have none)
                 self._log_file("clients.npz", lambda p: np.savez_compressed(
                     p, **{f"client_{c}": v for c, v in sorted(vectors.items())}), "models")
-            self._client.log_figure(self.run_id, accuracy_plot(hist, title, cfg.clients), "plots/accuracy.png")
+            self._log_figure(accuracy_plot(hist, title, cfg.clients), "plots/accuracy.png")
             for name, obj in artifacts.items():
                 self._log_object(name, obj, "algorithm")
             for name, rounds in kept.items():
-                self._client.log_figure(self.run_id, matrix_rounds(self.algo, name, rounds), f"plots/{name}_rounds.png")
-            self._client.log_dict(self.run_id, final_json, "results/final.json")
+                self._log_figure(matrix_rounds(self.algo, name, rounds), f"plots/{name}_rounds.png")
+            self._log_dict(final_json, "results/final.json")
             # the Overview opens on the description: the results, the setting (with the ε a private run reached)
-            self._client.set_tag(self.run_id, "mlflow.note.content", note)
+            self._log_tags({"mlflow.note.content": note, "rayfl.tracking_cpu_seconds": f"{rounds_cpu:.6f}"})
 
         self._submit(job)
-        self._close()
-        self._client.set_tag(self.run_id, "rayfl.tracking_cpu_seconds", f"{rounds_cpu:.6f}")
-        self._client.set_terminated(self.run_id)
+        self._close("FINISHED", self.wait)
 
     def on_checkpoint(self, loop) -> None:
-        """Everything queued reaches the store before a checkpoint: a driver restarted from it does not log
-        those rounds again, so they must not die with this one's queue."""
-        if self.writer is not None:
-            self.writer.flush()
+        """What was reported is durable before a checkpoint (a driver restarted from it does not log those
+        rounds again): sent to the store, or, while its server does not answer, written to the outbox in the
+        run directory (the round does not wait for the server)."""
+        if self.writer is None or self.sender is None:
+            return
+        self.writer.flush()  # its last step hands the queued metrics and files to the sender
+        while not self.sender.drain(0.5):
+            if not self.sender.answers():  # away (or a call of the sender's stuck in MLflow's retries)
+                self.sender.spill()
+                break
 
-    def _close(self) -> None:
-        """Drain the writer (raising its first error), then remove the temporary files."""
+    def _close(self, status: str, wait: float) -> None:
+        """Drain the writer (raising its first error), then have the sender deliver everything and the run's
+        end (``status``), waiting at most ``wait`` seconds for a tracking server that does not answer; what is
+        left then stays in the outbox (``self.unsent``), for ``rayfl sync``."""
+        from rayfl.tracking_outbox import server_address, sync
+
+        error = None
         try:
             if self.writer is not None:
-                self.writer.flush()
-                self.writer.close()
+                try:
+                    self.writer.flush()  # every job done, the last batch handed to the sender
+                    self.writer.close()
+                except BaseException as e:  # noqa: BLE001 - raised once the run's end is delivered or kept
+                    error = e
+            if self.sender is not None:
+                self.sender.put(("status", status, int(time.time() * 1000)))
+                bound = wait if server_address(self.uri) is not None else None  # a local store: its errors end it
+                drained = False
+                try:
+                    drained = self.sender.drain(bound)
+                except BaseException as e:  # noqa: BLE001 - raised below, the run ended first
+                    error = error or e
+                if self.sender.failed:  # the store rejected a record: no more are sent; the run is ended as it is
+                    self.sender.stop()
+                    self.sender.spill()
+                    try:
+                        self._client.set_terminated(self.run_id, status)
+                    except Exception:  # noqa: BLE001 - the error already raised is the one to show
+                        pass
+                elif not drained:
+                    self.sender.stop()
+                    self.sender.spill()
+                elif self.outbox.count():  # spilled at a checkpoint while the server was away: it is back
+                    try:
+                        sync(os.path.dirname(self.outbox.dir))
+                    except Exception:  # noqa: BLE001 - away again: they stay for rayfl sync
+                        pass
+                self.sender.stop()
+                if self.outbox.count():
+                    self.unsent = self.outbox.dir
+                else:
+                    shutil.rmtree(self.outbox.dir, ignore_errors=True)
         finally:
             self.writer = None
-            shutil.rmtree(self._tmp, ignore_errors=True)
+            if self._scratch and not self.unsent:
+                shutil.rmtree(self._scratch, ignore_errors=True)
+        if error is not None:
+            raise error
+
+    def unsent_line(self) -> str | None:
+        """The one line a run that ended with records not sent prints: how many, where, how to send them."""
+        if not self.unsent:
+            return None
+        return unsent_line(os.path.dirname(self.unsent), self.uri, self.wait)
 
     def fail(self, status: str = "FAILED") -> None:
-        """Close the run as FAILED (or KILLED when stopped on request), keeping all logged so far."""
-        try:
-            self._close()
-        finally:
-            if self.run_id is not None:
-                self._client.set_terminated(self.run_id, status)
+        """Close the run as FAILED (or KILLED when stopped on request), keeping all logged so far (in the
+        store, or in the outbox when its server does not answer within a shorter wait: a stopped run's
+        submitter waits only so long)."""
+        if self.run_id is None or self.sender is None:  # the run was never created: nothing to close
+            self.writer = None
+            return
+        self._close(status, min(self.wait, FAIL_WAIT))
+
+
+FAIL_WAIT = 20.0  # seconds a failing or stopped run waits for an away server (the submitter's grace is 30)
+
+
+def unsent_line(run_dir: str, uri: str, wait: float) -> str:
+    return (f"rayfl: warning: the tracking server at {uri} did not answer within tracking_wait={wait:g} s; the "
+            f"results are complete, the MLflow records not sent are kept in {os.path.join(run_dir, 'mlflow_outbox')}"
+            f"; send them with: rayfl sync {run_dir}")
+
+
+def close_run(uri: str, run_id: str, status: str) -> None:
+    """End an MLflow run that its driver could not end (killed in a round), if the store answers within a few
+    seconds and the run is still RUNNING; what it holds is kept."""
+    from mlflow.tracking import MlflowClient
+
+    from rayfl.tracking_outbox import answers, server_address
+
+    if not answers(server_address(uri), timeout=3.0):
+        return
+    try:
+        client = MlflowClient(uri)
+        if client.get_run(run_id).info.status == "RUNNING":
+            client.set_terminated(run_id, status)
+    except Exception:  # noqa: BLE001 - best effort on the way out of an interrupted run
+        pass

@@ -90,7 +90,10 @@ class FlatSGD:
         self.flat = model._rayfl_flat
         self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
         self.buf: torch.Tensor | None = None
-        self.grad = _flat_grad(model)
+        self.grad = flat_grad(model)
+        # weight decay is for trainable parameters only: not BatchNorm's running statistics, which share
+        # the flat vector (None: every position is a trainable parameter, the common case)
+        self.decays = trainable_mask(model) if weight_decay and len(buffer_index(model)) else None
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # the flat buffer stays; it is zeroed in place
         self.grad.zero_()
@@ -99,7 +102,7 @@ class FlatSGD:
     def step(self) -> None:
         g = self.grad
         if self.weight_decay:
-            g = g.add(self.flat, alpha=self.weight_decay)
+            g = g.add(self.flat if self.decays is None else self.flat * self.decays, alpha=self.weight_decay)
         if self.momentum:
             if self.buf is None:
                 self.buf = g.clone()
@@ -109,12 +112,36 @@ class FlatSGD:
         self.flat.add_(g, alpha=-self.lr)
 
 
-def _flat_grad(model: nn.Module) -> torch.Tensor:
+def buffer_index(model: nn.Module) -> torch.Tensor:
+    """Positions in the model's weight vector that hold buffers or frozen tensors, not trainable parameters
+    (BatchNorm's running mean and variance); empty for most models. Kept by the module."""
+    index = model.__dict__.get("_rayfl_buffers")
+    if index is None:
+        positions, offset = [], 0
+        for t in _float_state(model):
+            n = t.numel()
+            if not (isinstance(t, nn.Parameter) and t.requires_grad):
+                positions.append(torch.arange(offset, offset + n))
+            offset += n
+        index = torch.cat(positions) if positions else torch.zeros(0, dtype=torch.int64)
+        model.__dict__["_rayfl_buffers"] = index
+    return index
+
+
+def trainable_mask(model: nn.Module) -> torch.Tensor:
+    """1 where the weight vector holds a trainable parameter, 0 at :func:`buffer_index`'s positions."""
+    flat = model._rayfl_flat
+    mask = torch.ones_like(flat)
+    mask[buffer_index(model).to(flat.device)] = 0
+    return mask
+
+
+def flat_grad(model: nn.Module) -> torch.Tensor:
     """The model's flat gradient buffer, zeroed, every parameter's ``.grad`` a view of it; made once per
     module (a host's resident and spare modules train client after client)."""
-    params = [t for t in _float_state(model) if isinstance(t, nn.Parameter) and t.requires_grad]
     grad = getattr(model, "_rayfl_grad", None)
-    if grad is not None and all(p.grad is not None and p.grad._base is grad for p in params):
+    if grad is not None and all(p.grad is not None and p.grad._base is grad
+                                for p in model.parameters() if p.requires_grad and p.is_floating_point()):
         return grad.zero_()  # still linked (nothing set the grads to None or to other tensors since)
     grad = torch.zeros_like(model._rayfl_flat)
     offset = 0
@@ -231,11 +258,15 @@ def largest_activation(model: nn.Module, sample: torch.Tensor) -> int:
             sizes.append(out[0].numel() if out.dim() else 1)
 
     hooks = [m.register_forward_hook(seen) for m in model.modules()]
+    modes = {m: m.training for m in model.modules()}
+    model.eval()  # in training mode BatchNorm would fold this one sample into its running statistics
     try:
         model(sample)
     finally:
         for h in hooks:
             h.remove()
+        for m, mode in modes.items():
+            m.training = mode
     return max(sizes)
 
 

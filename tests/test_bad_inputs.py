@@ -71,6 +71,15 @@ DATA_ROOTS = {  # directory name -> {file name: bytes}; read as --dataset mnist 
                  "t10k-images-idx3-ubyte": IMAGES, "t10k-labels-idx1-ubyte": _idx([4], bytes([9, 10, 0, 0]))},
 }
 
+def _laughs(levels: int = 9) -> str:
+    """A few hundred bytes of nested aliases ("billion laughs"): each level 9 of the one before, 9**9 strings."""
+    lines = ['params:', '  l0: &l0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    lines += [f"  l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, levels)]
+    return "\n".join(lines) + "\n"
+
+
+LAUGHS = _laughs()
+
 FILES: dict[str, str | bytes] = {
     "space.yaml": "grid:\n  lr: [0.05, 0.1]\n",
     # config files
@@ -118,6 +127,15 @@ FILES: dict[str, str | bytes] = {
     "sweep_no_keys/rayfl_sweep.json": json.dumps({"name": "x"}),
     "sweep_list/rayfl_sweep.json": "[1, 2]",
     "a_file": "just a file\n",
+    # hostile files: nested past the recursion limit, aliases expanding to billions, NUL bytes
+    "deep.yaml": "lr: " + "[" * 3000 + "]" * 3000 + "\n",
+    "deep_block.yaml": "params:\n" + "".join("  " * i + f"k{i}:\n" for i in range(1, 200)) + "  " * 200 + "1\n",
+    "laughs.yaml": LAUGHS,
+    "self_alias.yaml": "params:\n  x: &a [1, *a]\n",
+    "nul.yaml": 'experiment: "a\\0b"\n',
+    "nul_knob.yaml": 'algo: fedfomo\nparams:\n  distance: "l2\\0"\n',
+    "space_deep.yaml": "grid:\n  lr: " + "[" * 3000 + "]" * 3000 + "\n",
+    "space_laughs.yaml": LAUGHS.replace("params:", "fixed:"),
 }
 
 # (id, argv, fragment): ``{t}`` is the tmp directory holding the files above.
@@ -303,14 +321,14 @@ CASES = [
     ("tune_max_concurrent_zero", tune("--max-concurrent", "0"), "--max-concurrent=0: must be an integer >= 1"),
     ("tune_grace_period_zero", tune("--grace-period", "0"), "--grace-period=0: must be an integer >= 1"),
     ("tune_search_unknown", tune("--search", "bayes"), "--search: invalid choice: 'bayes'"),
-    ("tune_name_slash", tune("--name", "a/b"), "--name='a/b': must be a name without '/'"),
+    ("tune_name_slash", tune("--name", "a/b"), "--name='a/b': must be a directory name (no '/')"),
     ("tune_storage_unwritable", tune("--storage-path", "{t}/a_file/tune"), "--storage-path='{t}/a_file/tune': cannot write"),
     ("tune_lr_inf", tune("--lr", "inf"), "lr='inf': must be a finite number"),
     ("tune_address_refused", tune("--address", "127.0.0.1:1"), "address='127.0.0.1:1': no Ray cluster answers there"),
-    ("tune_resume_missing", ["tune", "--resume", "{t}/nowhere"], "--resume '{t}/nowhere': no rayfl_sweep.json there"),
-    ("tune_resume_bad_json", ["tune", "--resume", "{t}/sweep_bad_json"], "rayfl_sweep.json cannot be read"),
-    ("tune_resume_missing_keys", ["tune", "--resume", "{t}/sweep_no_keys"], "rayfl_sweep.json lacks 'algo'"),
-    ("tune_resume_not_mapping", ["tune", "--resume", "{t}/sweep_list"], "rayfl_sweep.json lacks 'name'"),
+    ("tune_resume_missing", ["tune", "--resume", "{t}/nowhere"], "--resume '{t}/nowhere': no such directory"),
+    ("tune_resume_bad_json", ["tune", "--resume", "{t}/sweep_bad_json"], "{t}/sweep_bad_json/rayfl_sweep.json: cannot be read"),
+    ("tune_resume_missing_keys", ["tune", "--resume", "{t}/sweep_no_keys"], "{t}/sweep_no_keys/rayfl_sweep.json: no key 'algo'"),
+    ("tune_resume_not_mapping", ["tune", "--resume", "{t}/sweep_list"], "{t}/sweep_list/rayfl_sweep.json: must hold a mapping"),
     ("tune_resume_with_flags", ["tune", "--resume", "{t}/sweep_no_keys", "--num-samples", "3"],
      "with --num-samples: a resumed sweep keeps its saved settings"),
     # --- space files
@@ -334,6 +352,56 @@ CASES = [
     ("out_dir_nul", run("--out-dir", "a\0b"), "out_dir='a\\x00b': must not contain a NUL byte"),
     ("space_not_utf8", tune(space="{t}/space_latin1.yaml"), "space file '{t}/space_latin1.yaml': not UTF-8 text"),
     ("space_missing", tune(space="{t}/nope.yaml"), "space file '{t}/nope.yaml': no such file"),
+    # --- hostile files: bounded before anything walks or quotes them
+    ("yaml_deep", from_file("deep.yaml"), "config file '{t}/deep.yaml': nested more than 32 levels deep (line 1)"),
+    ("yaml_deep_block", from_file("deep_block.yaml"), "config file '{t}/deep_block.yaml': nested more than 32 levels"),
+    ("yaml_billion_laughs", from_file("laughs.yaml"),
+     "config file '{t}/laughs.yaml': more than 10,000 values (anchors and aliases counted each time they are used)"),
+    ("yaml_alias_in_itself", from_file("self_alias.yaml"), "an alias refers to a node that contains it (line 2)"),
+    ("yaml_nul", from_file("nul.yaml"), "experiment='a\\x00b': must not contain a NUL byte"),
+    ("yaml_knob_nul", from_file("nul_knob.yaml"), "params='l2\\x00': must not contain a NUL byte"),
+    ("space_deep", tune(space="{t}/space_deep.yaml"), "space file '{t}/space_deep.yaml': nested more than 32 levels"),
+    ("space_billion_laughs", tune(space="{t}/space_laughs.yaml"), "space file '{t}/space_laughs.yaml': more than "
+                                                                   "10,000 values"),
+    ("param_deep", run("-p", "x=" + "[" * 1000 + "]" * 1000),
+     "x='" + "[" * 80 + "'... (2000 characters): nested more than 32 levels deep"),
+    ("param_too_long", run("-p", "x=" + "[" * 3000 + "]" * 3000), "-p='x=" + "[" * 78 + "'... (6002 characters): at most 4096"),
+    ("experiment_30mb", run("--experiment", "x" * 30_000_000),
+     "experiment='" + "x" * 80 + "'... (30000000 characters): at most 4096 characters"),
+    ("run_name_long", run("--run-name", "r" * 5000), "(5000 characters): at most 4096 characters"),
+    # --- numbers accepted without a word before
+    ("torch_threads_huge", run("--torch-threads", "10000"), "torch_threads=10000: must be at most 256"),
+    ("torch_threads_above_cpus", run("--torch-threads", str((os.cpu_count() or 1) + 1)),
+     f"torch_threads={(os.cpu_count() or 1) + 1}: must be at most this machine's {os.cpu_count() or 1} CPUs"),
+    ("batch_size_1e18", run("--batch-size", "1e18"), "batch_size=1000000000000000000: must be at most 10,000,000"),
+    ("samples_per_client_1e18", run("--samples-per-client", "1e18"),
+     "samples_per_client=1000000000000000000: must be at most 10,000,000"),
+    ("rounds_1e18", run("--rounds", "1e18"), "rounds=1000000000000000000: must be at most 10,000,000"),
+    ("momentum_1e300", run("--momentum", "1e300"), "momentum=1e+300: must be in [0, 1)"),
+    ("momentum_one", run("--momentum", "1"), "momentum=1.0: must be in [0, 1)"),
+    ("model_sine_on_digits", ["run", "--model", "sine-mlp"], "model='sine-mlp': does not fit dataset 'digits'; it is "
+                                                             "meant for sine"),
+    ("model_sine_on_synthetic", run("--model", "sine-mlp"), "model='sine-mlp': does not fit dataset 'synthetic'"),
+    ("model_cnn_on_vectors", run("--model", "lenet5"), "model='lenet5': does not fit dataset 'synthetic'; it is meant "
+                                                       "for cifar10, cifar100, digits, fashion-mnist, mnist"),
+    ("model_logreg_on_sine", ["run", "--dataset", "sine", "--partition", "iid", "--model", "logreg"],
+     "model='logreg': does not fit dataset 'sine'"),
+    # --- NUL bytes in every string key and flag
+    ("stage_cache_nul", run("--stage-cache", "a\0b"), "stage_cache='a\\x00b': must not contain a NUL byte"),
+    ("tracking_uri_nul", run("--tracking-uri", "sqlite:///a\0b.db"),
+     "tracking_uri='sqlite:///a\\x00b.db': must not contain a NUL byte"),
+    ("data_root_nul", run("--data-root", "a\0b"), "data_root='a\\x00b': must not contain a NUL byte"),
+    ("experiment_nul_equals", run("--experiment=a\0b"), "experiment='a\\x00b': must not contain a NUL byte"),
+    ("param_nul", run("-p", "distance=l2\0"), "-p='distance=l2\\x00': must not contain a NUL byte"),
+    ("config_path_nul", run("--config", "{t}/a\0.yaml"), "config='{t}/a\\x00.yaml': must not contain a NUL byte"),
+    ("resume_nul", ["run", "--resume", "{t}/run\0"], "resume='{t}/run\\x00': must not contain a NUL byte"),
+    ("address_nul", run("--address", "127.0.0.1:1\0"), "address='127.0.0.1:1\\x00': must not contain a NUL byte"),
+    ("tune_name_nul", tune("--name", "a\0b"), "name='a\\x00b': must not contain a NUL byte"),
+    # --- compare: a config file's params must be a mapping
+    ("compare_params_null", ["compare", "--local", "--algos", "fedavg", "--config", "{t}/params_null.yaml"],
+     "params=None in {t}/params_null.yaml: must be a mapping of algorithm knobs"),
+    ("compare_params_list", ["compare", "--local", "--algos", "fedavg", "--config", "{t}/params_list.yaml"],
+     "params=[1, 2] in {t}/params_list.yaml: must be a mapping of algorithm knobs"),
 ]
 
 

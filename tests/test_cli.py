@@ -60,6 +60,21 @@ def test_help_reads(capsys):
     assert main([]) == 0 and "rayfl run" in capsys.readouterr().out
 
 
+def test_compare_offers_algos_and_refuses_algo_naming_it(capsys):
+    """compare takes the run's flags but --algo: its help lists --algos alone, and --algo is one line naming
+    --algos (flags are never abbreviated, so --algo is no prefix of --algos either)."""
+    import re
+
+    with pytest.raises(SystemExit) as e:
+        main(["compare", "--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    assert "--algos" in text and not re.search(r"--algo(?!s)", text)
+    assert main(["compare", "--algo", "fedavg"]) == 2
+    assert capsys.readouterr().err.strip() == ("rayfl: error: --algo 'fedavg': compare takes --algos A,B,... "
+                                               "(did you mean --algos?)")
+
+
 def test_algos_lists_knobs(capsys):
     assert main(["algos"]) == 0
     out = capsys.readouterr().out
@@ -115,37 +130,3 @@ def test_run_end_to_end(tmp_path):
     runs = mlflow.search_runs(experiment_names=["rayfl"])
     assert list(runs["tags.mlflow.runName"]) == ["e2e"] and list(runs["status"]) == ["FINISHED"]
 
-
-def test_tune_resume_keeps_a_failed_trials_id_so_it_finds_its_checkpoint(tmp_path, ray_session):
-    """`rayfl tune --resume` restores errored trials the way cmd_tune does; a trial keeps its id, hence its
-    checkpoint directory (sweep_dir/trials/<id>, see rayfl/sweep/trial.py), and goes on from there. With
-    Tune's restart_errored it would get a new id and start from round 1 (the bug this guards)."""
-    import inspect
-
-    from ray import tune
-
-    from rayfl.sweep import command
-
-    source = inspect.getsource(command._run)
-    assert "resume_errored=True" in source and "restart_errored=True" not in source
-
-    def trainable(config):
-        ckpt = tmp_path / "trials" / tune.get_context().get_trial_id()
-        start = int((ckpt / "round").read_text()) if (ckpt / "round").exists() else 0
-        for rnd in range(start, 4):
-            ckpt.mkdir(parents=True, exist_ok=True)
-            (ckpt / "round").write_text(str(rnd + 1))  # "checkpoint after round rnd"
-            if rnd == 1 and not (tmp_path / "failed_once").exists():
-                (tmp_path / "failed_once").write_text("")
-                raise RuntimeError("injected failure after round 2")
-            tune.report({"round": rnd + 1, "started_at": start})
-
-    storage = str(tmp_path / "tune")
-    tuner = tune.Tuner(trainable, run_config=tune.RunConfig(name="s", storage_path=storage, verbose=0))
-    first = tuner.fit()
-    assert first[0].error is not None
-    restored = tune.Tuner.restore(f"{storage}/s", trainable, resume_unfinished=True, resume_errored=True)
-    second = restored.fit()
-    assert second[0].error is None
-    assert second[0].metrics["round"] == 4 and second[0].metrics["started_at"] == 2  # went on, not round 1
-    assert len(list((tmp_path / "trials").iterdir())) == 1  # one trial id throughout

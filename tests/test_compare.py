@@ -9,9 +9,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from rayfl.comparison.run import NO_FINAL_UPDATE, build_configs, final_rows
+from rayfl.comparison.run import build_configs, final_rows
 from rayfl.comparison.table import markdown, summarize_runs, with_paper
 from rayfl.config import UserError
+
+NO_FINAL_UPDATE = "fedfomo-no-final-update"  # FedFomo's declared second row (Algorithm.compare_before)
 
 
 def test_mean_and_sample_std_over_seeds_by_hand():
@@ -110,7 +112,7 @@ def test_presets_and_user_errors():
 
 
 def test_a_row_is_an_algorithm_with_its_own_knobs_or_config():
-    from rayfl.comparison.run import metric_key, no_final_update, parse_row
+    from rayfl.comparison.run import before_label, metric_key, parse_row
 
     assert parse_row("fedfomo") == ("fedfomo", {}, {})
     assert parse_row("fedfomo:M=10:val_frac=0.16") == ("fedfomo", {"M": 10}, {"val_frac": 0.16})
@@ -130,8 +132,8 @@ def test_a_row_is_an_algorithm_with_its_own_knobs_or_config():
     for seeds in ([1.5], "abc", [True]):
         with pytest.raises(UserError, match="seeds="):
             build_configs(["fedavg"], seeds)
-    assert no_final_update("fedfomo") == NO_FINAL_UPDATE
-    assert no_final_update("fedfomo:M=10") == NO_FINAL_UPDATE + ":M=10"
+    assert before_label("fedfomo", "no-final-update") == NO_FINAL_UPDATE
+    assert before_label("fedfomo:M=10", "no-final-update") == NO_FINAL_UPDATE + ":M=10"
     assert metric_key("fedfomo:M=10") == "fedfomo:M_10"
 
 

@@ -148,7 +148,7 @@ def test_majority_fraction(digits):
             f = fed(digits, partition="majority", majority=p, sizes=sizes)
             for c in f.clients:
                 counts = label_counts(digits, c)
-                top2 = np.sort(counts)[-2:]  # two majority classes share p (FedMoE spec 7.1)
+                top2 = np.sort(counts)[-2:]  # two majority classes share p (Listo Zec et al., 2020, §4)
                 assert abs(top2.sum() / counts.sum() - p) < 0.05
                 assert abs(top2[0] - top2[1]) <= 1 + 0.02 * counts.sum()
                 if sizes == "equal":

@@ -177,6 +177,7 @@ def test_quick_rounds_share_store_calls_and_every_value_arrives(tmp_path, monkey
     import time
 
     from rayfl import tracking
+    from rayfl.tracking_outbox import Outbox, Sender
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     calls, table_calls = [], []
@@ -184,7 +185,7 @@ def test_quick_rounds_share_store_calls_and_every_value_arrives(tmp_path, monkey
     monkeypatch.setattr(MlflowClient, "log_batch", lambda self, *a, **k: (calls.append(1), original(self, *a, **k))[1])
     for name in ("log_artifact", "log_artifacts"):
         def counted(self, run_id, local, *a, _original=getattr(MlflowClient, name), **k):
-            if "round_" in local or local.endswith("staged"):
+            if "round_" in local or "mlflow_outbox" in local:  # a batch's tree of files
                 table_calls.append(local)
             return _original(self, run_id, local, *a, **k)
         monkeypatch.setattr(MlflowClient, name, counted)
@@ -203,6 +204,8 @@ def test_quick_rounds_share_store_calls_and_every_value_arrives(tmp_path, monkey
     t = MlflowTracker(uri, ensure_experiment(uri, "t"))
     t._client, t.run_id = client, client.create_run(ensure_experiment(uri, "t")).info.run_id
     t.writer = tracking.Writer(idle=t._send_metrics, every=0.2)
+    t.outbox = Outbox(str(tmp_path / "outbox"))
+    t.sender = Sender(client, t.run_id, uri, t.outbox)
     t._sent = time.monotonic()  # as if a batch had just gone: this value must wait for the idle send
     t._submit(lambda: t._log_metrics({"x": 1.0}, 1))
     deadline = time.monotonic() + 5
@@ -211,7 +214,7 @@ def test_quick_rounds_share_store_calls_and_every_value_arrives(tmp_path, monkey
     assert [m.value for m in client.get_metric_history(t.run_id, "x")] == [1.0]
     t._sent = time.monotonic()  # and a round file staged alone
     t._submit(lambda: t._log_file("round_0001.csv", lambda path: open(path, "w").write("round\n1\n"),
-                                  "results/clients", batched=True))
+                                  "results/clients"))
     deadline = time.monotonic() + 5
     while not client.list_artifacts(t.run_id, "results/clients") and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -228,8 +231,8 @@ def test_snapshots_encode_again_only_the_clients_that_ran_a_step(monkeypatch):
     runtime = LocalRuntime(p)
     h = runtime.hosts[0]
     encoded = []
-    original = host_module._dump
-    monkeypatch.setattr(host_module, "_dump", lambda obj: (encoded.append(1), original(obj))[1])
+    original = host_module.dumps
+    monkeypatch.setattr(host_module, "dumps", lambda obj: (encoded.append(1), original(obj))[1])
     first = h.state()
     assert len(encoded) == 4
     h.run("evaluate", [(c, {}) for c in range(4)])

@@ -1,4 +1,5 @@
-"""FedeRiCo (spec 002): the math on hand-made numbers, and one small federation end to end (LocalRuntime)."""
+"""FedeRiCo (Sui et al., 2022, §3): the math on hand-made numbers, and one small federation end to end
+(LocalRuntime)."""
 
 import math
 
@@ -13,7 +14,7 @@ from rayfl.client import Client, TrainSettings
 
 def test_ema_weights_the_new_loss_by_beta_and_leaves_unsampled_entries_stale():
     L = np.array([1.0, 2.0, 3.0])
-    out = ema_update(L, [0, 2], [0.5, 1.0], beta=0.6)  # L̂ <- 0.4 L̂ + 0.6 l (beta on the NEW loss, P2)
+    out = ema_update(L, [0, 2], [0.5, 1.0], beta=0.6)  # L̂ <- 0.4 L̂ + 0.6 l (beta on the NEW loss, §3.3)
     assert out == pytest.approx([0.7, 2.0, 1.8])
     assert L.tolist() == [1.0, 2.0, 3.0]  # input untouched
 
@@ -63,7 +64,7 @@ def _client(cid, x, y, lr=1.0):
 
 
 def test_owner_applies_the_column_weighted_gradient_sum():
-    """Eq. 8 / pitfall P1: φ_0 moves by Σ_k w_k0 (n_k/n̄) ∇ mean-loss(φ_0; D_k) — column 0 of W, not row 0."""
+    """Eq. 8: φ_0 moves by Σ_k w_k0 (n_k/n̄) ∇ mean-loss(φ_0; D_k) — column 0 of W, not row 0."""
     data = {0: ([1.0, 2.0], [1.0, 2.0]), 1: ([1.0], [3.0]), 2: ([2.0], [0.0])}  # n = 2, 1, 1; n̄ = 4/3
     W = np.array([[0.5, 0.3, 0.2], [0.6, 0.3, 0.1], [0.1, 0.2, 0.7]])
     logic = FedericoClient(Params(M=2, epsilon=0.0, beta=0.0))  # β = 0: the hand-made L̂ (so W) stays
@@ -140,7 +141,7 @@ def test_weights_concentrate_within_label_groups():
 
 
 def test_gradients_use_the_new_posterior_and_scale_the_own_term():
-    """Spec P7: the E-step first updates L̂ with the batch losses (β > 0), then weights every gradient, the
+    """§3.2: the E-step first updates L̂ with the batch losses (β > 0), then weights every gradient, the
     owner's own term included, by the NEW w_ij. Every client has a non-zero gradient on its own data."""
     data = {0: ([1.0, 2.0], [2.0, 2.0]), 1: ([1.0], [3.0]), 2: ([2.0], [0.0])}  # n = 2, 1, 1; n̄ = 4/3
     W = np.array([[0.5, 0.3, 0.2], [0.6, 0.3, 0.1], [0.1, 0.2, 0.7]])
@@ -217,7 +218,8 @@ def test_a_round_makes_local_steps_iterations_and_defaults_to_the_baselines_step
 
 
 def test_paper_defaults():
-    """Spec 002: ε = 0.3, M = 3, β = 0.6 on the new loss; the mean loss and a baseline's steps per round."""
+    """Sui et al., 2022, §4.1: ε = 0.3, M = 3, β = 0.6 on the new loss; the mean loss and a baseline's steps
+    per round."""
     p = Params()
     assert (p.epsilon, p.M, p.beta, p.init_losses, p.loss_sum, p.local_steps) == (0.3, 3, 0.6, "all", False, 0)
 

@@ -1,4 +1,4 @@
-"""FedFomo (spec 000): the weight math on hand-made numbers, the P update, ε-greedy selection, and a behaviour
+"""FedFomo (Zhang et al., 2021, §3.1): the weight math on hand-made numbers, the P update, ε-greedy selection, and a behaviour
 test: on a small federation with latent groups, P ends up favouring same-group clients."""
 
 from __future__ import annotations
@@ -283,7 +283,7 @@ def test_learning_rate_decays_per_round():
 
 
 def test_paper_defaults():
-    """Paper A.6 / spec 000: 5 models, ε = 0.3 decaying by 0.05 a round, lr decay 0.99, the code's final update."""
+    """Zhang et al., 2021, App. A.6: 5 models, ε = 0.3 decaying by 0.05 a round, lr decay 0.99, the code's final update."""
     p = FedFomoParams()
     assert (p.M, p.epsilon, p.epsilon_decay, p.distance, p.lr_decay, p.final_update) == (5, 0.3, 0.05, "l2", 0.99,
                                                                                        True)

@@ -1,4 +1,4 @@
-"""FedMoE (spec 001): the mixture's output and both losses on hand-made numbers, the frozen global model,
+"""FedMoE (Listo Zec et al., 2020, §3.2): the mixture's output and both losses on hand-made numbers, the frozen global model,
 early stopping that returns the best epoch, stage-1 opt-out and model selection, and a small end-to-end run."""
 
 import math
@@ -168,7 +168,7 @@ def test_three_stages_end_to_end_with_global_test_set():
     for col in ("global", "fedavg_test", "fedavg_global", "finetuned_test", "finetuned_global"):
         assert loop.final[f"{col}_acc_mean"] == pytest.approx(np.mean([r[f"{col}_acc"] for r in final.values()]))
         assert loop.final[f"{col}_acc_worst"] == pytest.approx(min(r[f"{col}_acc"] for r in final.values()))
-    from rayfl.cli import summary_table
+    from rayfl.progress import summary_table
 
     table = summary_table(loop.final)
     assert "finetuned_global_acc" in table and "fedavg_test_acc" in table
@@ -195,7 +195,8 @@ def test_stage3_specialist_starts_from_the_stage2_specialist(monkeypatch):
 
 
 def test_paper_defaults():
-    """Spec 001: at most 500 epochs per stage with early stopping, no opt-out, the paper's mixture loss."""
+    """Listo Zec et al., 2020, §4: at most 500 epochs per stage with early stopping, no opt-out, the paper's
+    mixture loss."""
     p = FedMoEParams()
     assert (p.opt_out, p.specialist_epochs, p.gate_epochs, p.mixture_loss, p.select_every) == (0.0, 500, 500,
                                                                                                "paper", 1)

@@ -26,13 +26,8 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
-import textwrap
 import time
 import urllib.error
 import urllib.request
@@ -40,7 +35,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from multinode_cluster import LocalCluster, free_port, isolated_env, kill_leftovers, private_root, remove_root
+
 CLIENTS = 4
 ROUNDS = 2
 CPUS_PER_ACTOR = 0.9  # two actors fit a 2-CPU worker, a third does not: the clients must use both workers
@@ -49,32 +45,6 @@ WORKER_CPUS, WORKER_GPUS = 2, 2
 EXPERIMENT = "multinode"
 # About 35-55 s on two idle cores; the margin is for a machine shared with other people's Ray clusters.
 JOB_TIMEOUT = 180
-
-HELPER = textwrap.dedent("""
-    import json, signal, sys
-    from ray.cluster_utils import Cluster
-
-    temp_dir, dashboard_port, agent_port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    n_workers, worker_cpus, worker_gpus = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))   # turns SIGTERM into the finally below
-    cluster = Cluster(initialize_head=True, head_node_args=dict(
-        num_cpus=1, num_gpus=0, temp_dir=temp_dir, include_dashboard=True, dashboard_host="127.0.0.1",
-        dashboard_port=dashboard_port, dashboard_agent_listen_port=agent_port))
-    try:
-        workers = [cluster.add_node(num_cpus=worker_cpus, num_gpus=worker_gpus) for _ in range(n_workers)]
-        cluster.wait_for_nodes()
-        print(json.dumps({"head": cluster.head_node.node_id, "workers": [w.node_id for w in workers],
-                          "gcs": cluster.address}), flush=True)
-        sys.stdin.read()   # until the test closes our stdin
-    finally:
-        cluster.shutdown()
-""")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rayfl_command() -> list[str]:
@@ -101,107 +71,36 @@ def _wait_http(url: str, timeout: float) -> None:
             time.sleep(0.5)
 
 
-def _pids_naming(marker: str) -> list[int]:
-    """Processes of ours whose command line or environment mentions ``marker`` (our private dir)."""
-    me, found = os.getpid(), []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == me:
-            continue
-        for name in ("cmdline", "environ"):
-            try:
-                if marker.encode() in (entry / name).read_bytes():
-                    found.append(int(entry.name))
-                    break
-            except OSError:
-                pass
-    return found
-
-
-def _kill_leftovers(marker: str) -> tuple[list[int], list[int]]:
-    """Kill what is left of ours; returns (found, survived)."""
-    found = pids = _pids_naming(marker)
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in pids):
-            time.sleep(0.2)
-        pids = [p for p in pids if Path(f"/proc/{p}").exists()]
-    return found, pids
-
-
 @pytest.fixture
 def cluster():
     """A head and two GPU worker nodes; yields what the test needs to submit a job and find nodes."""
     if not sys.platform.startswith("linux"):
         pytest.skip("needs Linux (/proc) for the process bookkeeping")
-    root = tempfile.mkdtemp(prefix="rfl-mn-", dir="/tmp")  # short: Ray's socket paths have a length limit
+    root = private_root("rfl-mn-")
     token = secrets.token_hex(32)
-    env = {**os.environ,
-           "RAY_TMPDIR": root, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token,
-           "RAY_USAGE_STATS_ENABLED": "0",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
-           "RFL_MULTINODE_TEST": root}  # marks every process started from here (see _pids_naming)
-    for key in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "MLFLOW_TRACKING_URI"):  # never someone else's
-        env.pop(key, None)
+    env = isolated_env(root, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
     # As cluster/cluster.yaml does at `ray start`: the nodes' environment names the tracking store, and
     # every Ray process (the job entrypoint too) inherits it. The `ray job submit` client does not have it.
     tracking_uri = f"sqlite:///{root}/mlflow.db"
     node_env = {**env, "MLFLOW_TRACKING_URI": tracking_uri}
-    dashboard_port, agent_port = _free_port(), _free_port()
-    helper_file = Path(root) / "cluster_helper.py"
-    helper_file.write_text(HELPER)
-    log = open(Path(root) / "helper.log", "w+")
-    helper = subprocess.Popen(
-        [sys.executable, str(helper_file), f"{root}/ray", str(dashboard_port), str(agent_port), "2",
-         str(WORKER_CPUS), str(WORKER_GPUS)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=node_env, cwd=root,
-        start_new_session=True)
+    dashboard_port, agent_port = free_port(), free_port()
+    helper = None
     try:
-        line = _readline(helper, timeout=75)
-        if not line:
-            log.seek(0)
-            pytest.fail(f"the Ray cluster did not come up:\n{log.read()[-4000:]}")
-        nodes = json.loads(line)
+        try:
+            helper = LocalCluster(root, node_env, head=dict(
+                num_cpus=1, num_gpus=0, include_dashboard=True, dashboard_host="127.0.0.1",
+                dashboard_port=dashboard_port, dashboard_agent_listen_port=agent_port),
+                workers=[dict(num_cpus=WORKER_CPUS, num_gpus=WORKER_GPUS)] * 2, start_timeout=75)
+        except RuntimeError as e:
+            pytest.fail(str(e))
         dashboard = f"http://127.0.0.1:{dashboard_port}"
         _wait_http(f"{dashboard}/api/version", timeout=30)
-        yield {"root": root, "env": env, "dashboard": dashboard, "tracking_uri": tracking_uri, **nodes}
+        yield {"root": root, "env": env, "dashboard": dashboard, "tracking_uri": tracking_uri,
+               "head": helper.info["head"], "workers": helper.info["workers"], "gcs": helper.info["gcs"]}
     finally:
-        try:
-            helper.stdin.close()  # the helper shuts its cluster down and exits
-            helper.wait(timeout=30)
-        except (subprocess.TimeoutExpired, OSError):
-            pass
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(helper.pid, sig)
-            except ProcessLookupError:
-                break
-            time.sleep(1)
-        found, left = _kill_leftovers(root)
-        if found:
-            print(f"teardown: killed {len(found)} process(es) left after the cluster's shutdown")
-        log.close()
-        shutil.rmtree(root, ignore_errors=True)
+        left = helper.close() if helper is not None else kill_leftovers(root)[1]
+        remove_root(root)
         assert not left, f"processes survived teardown: {left}"
-
-
-def _readline(proc: subprocess.Popen, timeout: float) -> str:
-    """One line of the helper's stdout, or '' if it exits or says nothing in time."""
-    import selectors
-
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if sel.select(timeout=1):
-            return proc.stdout.readline()
-        if proc.poll() is not None:
-            return ""
-    return ""
 
 
 def test_job_on_multinode_cluster_spreads_gpu_client_actors(cluster):

@@ -177,9 +177,11 @@ def test_adaptation_batch_is_a_batch_of_samples_or_the_whole_smaller_split():
     assert torch.equal(adaptation_batch(x[:4], y[:4], 4, torch.Generator().manual_seed(0))[1], y[:4])
 
 
-def test_flat_gradient_follows_the_weight_vector_with_zeros_where_nothing_is_trained():
+@pytest.mark.parametrize("flat", [False, True], ids=["module", "flattened"])
+def test_flat_gradient_follows_the_weight_vector_with_zeros_where_nothing_is_trained(flat):
     """A buffer, a frozen parameter and a parameter the forward pass never uses get 0; the others their
-    gradient, in rayfl.training.to_vector's order; the model is put in training mode first."""
+    gradient, in rayfl.training.to_vector's order; the model is put in training mode first. Both paths: a
+    module as it is, and one flattened into one buffer (the gradient then lands in a flat buffer too)."""
     class Net(nn.Module):
         def __init__(self):
             super().__init__()
@@ -191,7 +193,8 @@ def test_flat_gradient_follows_the_weight_vector_with_zeros_where_nothing_is_tra
         def forward(self, x):
             return self.a(x) * self.scale * self.frozen
 
-    model = Net().eval()
+    model = training.flatten(Net()).eval() if flat else Net().eval()
+    assert (getattr(model, "_rayfl_flat", None) is not None) == flat
     vec = torch.tensor([3.0, 4.0, 2.0, 0.5, -1.0, 0.25])  # state_dict order: frozen, unused, scale, a.weight, a.bias
     assert training.to_vector(training.load_vector(model, vec)).tolist() == vec.tolist()
     loss, grad = gradient(model, vec, t([[1.0, 2.0]]), t([[0.0]]), F.mse_loss)
@@ -199,6 +202,8 @@ def test_flat_gradient_follows_the_weight_vector_with_zeros_where_nothing_is_tra
     assert loss.item() == pytest.approx(56.25)
     np.testing.assert_allclose(grad.numpy(), [0.0, 0.0, 0.0, -90.0, -180.0, -90.0], rtol=1e-6)
     assert model.training
+    gradient(model, vec, t([[2.0, 0.0]]), t([[0.0]]), F.mse_loss)  # another gradient leaves the first as it was
+    np.testing.assert_allclose(grad.numpy(), [0.0, 0.0, 0.0, -90.0, -180.0, -90.0], rtol=1e-6)
 
 
 # ------------------------------------------------------------------------------------------- clients

@@ -1,4 +1,4 @@
-"""PersFL (spec 004): the distillation loss against a hand computation, per-client teacher selection, the grid's
+"""PersFL (Divi et al., 2021, §4.1): the distillation loss against a hand computation, per-client teacher selection, the grid's
 selection on validation (never test); sharing stage 1 is tests/test_stage_cache.py."""
 
 from __future__ import annotations
@@ -198,7 +198,7 @@ def test_final_fedavg_model_is_a_teacher_candidate():
 
 
 def test_paper_defaults():
-    """Spec 004 §2.2: the per-client grid inferred from Table 5; KL soft loss; each client's best round."""
+    """Divi et al., 2021: the per-client grid inferred from Table 5; KL soft loss; each client's best round."""
     p = PersFLParams()
     assert p.lam_grid == (0.0, 0.25, 0.5, 0.75, 1.0)
     assert p.T_grid == (1.0, 5.0, 9.0, 13.0, 17.0, 21.0, 25.0)

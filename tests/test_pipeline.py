@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 
 from conftest import same, tiny
+from rayfl.batch import pack, unpack
 from rayfl.experiment import prepare
 from rayfl.loop import Callback, Loop, RunStopped
-from rayfl.runtime import ClientsLost, LocalRuntime, Pending, pack, unpack
+from rayfl.runtime import ClientsLost, LocalRuntime, Pending
 from test_faults import ALGOS, FaultyRuntime, assert_same_results, client_states
 
 

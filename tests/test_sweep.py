@@ -72,6 +72,30 @@ def test_bad_space_is_one_line_naming_file_and_key(tmp_path, capsys, text, algo,
     assert not (tmp_path / "tune").exists()  # nothing started
 
 
+@pytest.mark.parametrize("kwargs, expected", [
+    ({"num_samples": 2.5}, "num_samples=2.5: must be an integer >= 1"),
+    ({"max_concurrent": "a"}, "max_concurrent='a': must be an integer >= 1"),
+    ({"grace_period": True}, "grace_period=True: must be an integer >= 1"),
+    ({"name": "a/b"}, "name='a/b': must be a directory name"),
+    ({"name": ".."}, "name='..': must be a directory name"),
+    ({"resume": 3}, "resume=3: must be a directory"),
+])
+def test_api_sweep_arguments_are_one_line_errors(tmp_path, kwargs, expected):
+    import rayfl
+
+    with pytest.raises(UserError) as e:
+        rayfl.tune(algo="fedavg", out_dir=str(tmp_path), **({} if "resume" in kwargs else {"clients": 3}), **kwargs)
+    assert str(e.value).startswith(expected) and "\n" not in str(e.value), str(e.value)
+    assert not (tmp_path / "tune").exists()
+
+
+def test_random_space_kinds_are_only_the_known_distributions(tmp_path, capsys):
+    path = write(tmp_path, "random: {lr: {run: [echo, hi]}}\n")
+    assert main(["tune", "--algo", "fedavg", "--space", path, "--out-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("rayfl: error: ") and "\n" not in err and "random.lr: unknown distribution 'run'" in err
+
+
 def test_flags_fix_swept_keys_and_test_metric_refused(tmp_path, capsys):
     plan = sweep.plan_sweep(sweep.load_space(write(tmp_path, "fixed: {rounds: 9}\ngrid: {lr: [0.1, 0.2], local_epochs: [1, 2]}\n")),
                             {}, {"algo": "fedavg", "lr": "0.3", "rounds": "2"}, {})

@@ -1,4 +1,4 @@
-"""User-centric FL (spec 003): eq. (6) weights against a hand computation, eq. (7) statistics, eq. (5)
+"""User-centric FL (Mestoukirdi et al., 2021, §III): eq. (6) weights against a hand computation, eq. (7) statistics, eq. (5)
 aggregation, the FedAvg limit for identical users, and k-means streams recovering the true groups."""
 
 import math
@@ -48,7 +48,7 @@ def test_weights_stable_for_large_discrepancies():
 def test_identical_users_give_fedavg_weights_and_average():
     n = np.array([10.0, 30.0, 60.0])
     w = collaboration_weights(np.ones((3, 4)), np.array([0.5, 1.0, 2.0]), n)
-    np.testing.assert_allclose(w, np.tile(n / n.sum(), (3, 1)))  # spec 003 §3.2: Δ = 0 gives FedAvg
+    np.testing.assert_allclose(w, np.tile(n / n.sum(), (3, 1)))  # §III-A: Δ = 0 gives FedAvg
     vecs = [np.full(5, v, dtype=np.float32) for v in (1.0, 2.0, 4.0)]
     labels, centroids = assign_streams(w, 0, seed=0)
     out = aggregate(centroids, vecs)
@@ -170,7 +170,7 @@ def test_server_round_aggregates_with_the_rows_of_w():
         expected = sum(w[i, j] * np.array(thetas[j]) for j in range(3))
         np.testing.assert_allclose(srv.stream_refs[srv.labels[i]], expected, rtol=1e-6)
     assert "stream_weights" not in srv.artifacts()  # k = m: the streams' weights are W itself
-    assert [st.sample for st in srv.stages()] == [False]  # all m users every round (spec 003 §3.5)
+    assert [st.sample for st in srv.stages()] == [False]  # all m users every round (eq. 5 sums over all j)
     srv.labels, srv.centroids = assign_streams(w, 2, seed=0)
     assert srv.artifacts()["stream_weights"].shape == (2, 3)
 

@@ -23,7 +23,8 @@ def main() -> None:
     from workload import config_values
 
     from rayfl.actors.launch import launch
-    from rayfl.cli import init_ray, parse_params, shutdown_ray
+    from rayfl.flags import parse_params
+    from rayfl.session import init_ray, shutdown_ray
     from rayfl.config import make_config
     from rayfl.experiment import prepare
     from rayfl.tracking import ensure_experiment

@@ -41,15 +41,21 @@ later stages' knobs (:mod:`rayfl.stage_cache`).
 Registering: ``ALGORITHMS = [Algorithm("name", Params, Server, ClientLogic, "one-line summary", work="...")]``
 at the bottom of the module (``work``: what a client's local work per round is where the paper makes it differ
 from FedAvg's, so that a comparison's table says so on its row), and the module's name in :data:`rayfl.algorithms.MODULES`.
+An algorithm of one's own is the same ``Algorithm`` in a file of one's own: ``rayfl run --plugin FILE``,
+``rayfl.register_algorithm(...)`` or an entry point in the group ``rayfl.algorithms`` (:mod:`rayfl.plugins`).
+What the platform needs to know of an algorithm beyond its code it reads from the ``Algorithm`` (``implies``,
+``compare_before``, ``plots``), never from its name.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import numpy as np
+
+from rayfl.user_input import to_kind
 
 Message = dict  # driver -> client: {"models": {...handles...}, other small values}
 Upload = dict  # client -> driver: small values, and handles made with client.share
@@ -163,6 +169,19 @@ class ClientLogic:
 
 
 @dataclass(frozen=True)
+class Matrix:
+    """How a client-by-client matrix that a server keeps (``artifacts`` / ``round_artifacts``) is drawn: what it
+    holds (the figure's title), its axes, whether its values are signed (a diverging colour map centred at 0;
+    None: when some value is negative) and what a missing (NaN) cell means (a legend entry; None: none)."""
+
+    title: str
+    xlabel: str = "client j"
+    ylabel: str = "client i"
+    diverging: bool | None = None
+    missing: str | None = None
+
+
+@dataclass(frozen=True)
 class Algorithm:
     name: str
     Params: type
@@ -172,6 +191,14 @@ class Algorithm:
     # a client's local work per round where its paper makes it differ from FedAvg's (the run's local epochs
     # of SGD on its training split); "" means the same. Shown on the algorithm's row of a comparison.
     work: str = ""
+    # knob -> knob values a sweep sets along with it: a knob that only acts when others are so (a single value
+    # that a non-empty grid over it would override) is swept with them set, unless the user set them.
+    implies: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, hash=False)
+    # a last stage that a comparison shows both ways: stage name -> the label suffix of a second row, the run as
+    # of its last evaluated round before that stage (``ALGO-SUFFIX``, with the row's own ``:KEY=VALUE`` after).
+    compare_before: Mapping[str, str] = field(default_factory=dict, hash=False)
+    # artifact name -> how its client-by-client matrix is drawn (an artifact not named here: a plain caption)
+    plots: Mapping[str, Matrix] = field(default_factory=dict, hash=False)
 
     def make_params(self, values: Mapping[str, Any] | None = None):
         """Build and check Params from user values; unknown keys and bad values raise ValueError."""
@@ -193,8 +220,6 @@ class Algorithm:
 def _coerce(value: Any, field: dataclasses.Field, algo: str) -> Any:
     """Turn a CLI/YAML value into the field's declared type (the type is read from its default); no
     silent coercion (2.5 for an integer knob, NaN, infinity, a boolean for a number: ValueError)."""
-    from rayfl.config import to_kind
-
     default = field.default if field.default is not dataclasses.MISSING else None
     if default is None:
         return value

@@ -63,6 +63,7 @@ class FedAvgServer(Server):
 
 class FedAvgClient(ClientLogic):
     private_training = True  # every step trains through client.fit (rayfl.privacy)
+    local_buffers = True  # and loads through client.scratch / model_of: config buffers=local can hold
 
     def step_train(self, client, msg, models):
         model = client.scratch(models["global"])
@@ -108,6 +109,7 @@ class FineTuneServer(FedAvgServer):
 
 class FineTuneClient(FedAvgClient):
     private_training = True
+    local_buffers = True
 
     def step_finetune(self, client, msg, models):
         client.load(models["global"])

@@ -192,6 +192,8 @@ class CFLServer(Server):
     two children. Leaves are the current clusters; a client sits at a leaf, or at a split node while it awaits
     routing (it missed the split)."""
 
+    growing_state = ("split_stats",)  # a row per tree node: checked on resume by dtype and dimensions only
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         k = self.info.n_clients

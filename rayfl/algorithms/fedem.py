@@ -23,7 +23,7 @@ Work per round: FedEM's client trains all M components, so it does M times FedAv
 ``local_epochs``, ``batch_size``, ``lr`` for each component), plus one forward pass of the M components over
 its training split for the E-step, as its paper defines the algorithm. It also sends and receives M models.
 
-Knob: ``M``, the number of components. Default 4, as FedeRiCo's paper (Bertrand et al.) ran FedEM for its
+Knob: ``M``, the number of components. Default 4, as FedeRiCo's paper (Sui et al., 2022, §4.1) ran FedEM for its
 Table 1; the FedEM paper's own default (and its code's ``--n_learners``) is 3.
 
 Choices where the paper is silent (what the authors' code, github.com/omarfoq/FedEM, does in brackets):

@@ -1,4 +1,4 @@
-"""FedeRiCo (spec 002, "Find your friends"): decentralized EM over collaborators, no server averaging.
+"""FedeRiCo ("Find Your Friends", Sui et al., 2022, §3): decentralized EM over collaborators, no averaging.
 
 Every client i owns a model φ_i, a table L̂_i of EMA losses of every client's model on its own data, and
 weights w_i = softmax(-L̂_i) (the EM posterior p(z_i = j | D_i)). A round is two phases, both peer to peer
@@ -6,11 +6,11 @@ through the object store; the driver only routes handles, it never averages or r
 
 1. ``estep`` on every participant i, at Φ^(t-1): fetch φ_j for its M neighbours N_i (chosen ε-greedily at
    the end of the previous round), evaluate own and neighbour models on one local minibatch, update the EMA
-   losses of those entries only (spec §3.4, P5), recompute w_i, and compute for each j ∈ N_i ∪ {i} the
+   losses of those entries only (§3.3, "E-step"), recompute w_i, and compute for each j ∈ N_i ∪ {i} the
    gradient of w_ij · loss(φ_j; B_i) (scaled by n_i / n̄, see below). Gradients for neighbours go out as
    handles keyed by owner; the own term stays home. Then pick N_i for the next round from the NEW w_i.
 2. ``mstep`` on every participant j (owner): sum its own term and the gradients routed to it, i.e.
-   Σ_i w_ij ∇φ_j loss(φ_j; D_i) — the COLUMN j of W (Eq. 8; pitfall P1) — and take one optimizer step.
+   Σ_i w_ij ∇φ_j loss(φ_j; D_i) — the COLUMN j of W, not the row (Eq. 8) — and take one optimizer step.
 
 A round repeats the two phases ``local_steps`` times (each repetition is one iteration of the paper's
 algorithm: one E-step and one optimizer step per client), then evaluates. The paper runs 150 such iterations;
@@ -19,18 +19,20 @@ local_epochs x ceil(n_i / batch_size) averaged over clients, so that FedeRiCo an
 at the same number of optimizer steps per round (``local_steps=1`` is one paper iteration per round).
 
 Prediction of client i is the w_i-weighted mixture of the models' OUTPUTS (probabilities for
-classification, values for regression; spec §2 "Prediction", P10).
+classification, values for regression; §3.2, after Eq. 6), not the own model alone.
 
-Choices where paper and spec are silent (each also marked [CHOICE] where it is made):
-- independent initialisation of every φ_i (spec §3.6 ASSUMPTION), seeded per client;
-- L̂ starts from one all-to-all evaluation on the full train split at t = 0 (``init_losses="all"``, spec P4
-  recommendation), or at the client's own initial loss for every entry (``"own"``: no communication);
-- the per-round loss is the MEAN loss per sample on one minibatch of ``cfg.batch_size`` (P3: the sum over
+Choices where the paper is silent (each also marked [CHOICE] where it is made):
+- independent initialisation of every φ_i, seeded per client;
+- L̂ starts from one all-to-all evaluation on the full train split at t = 0 (``init_losses="all"``: an entry
+  left at 0 would look like the best client), or at the client's own initial loss for every entry (``"own"``:
+  no communication);
+- the per-round loss is the MEAN loss per sample on one minibatch of ``cfg.batch_size`` (Eq. 3's sum over
   n_i samples would make w one-hot at once); the same batch gives the E-step loss and the M-step gradient.
   ``loss_sum=True`` takes Eq. 3 literally (n_i x the batch mean): a 1/n_i lower softmax temperature;
 - Eq. 8 sums per-sample gradients over n_i points: the mean-loss gradient is scaled by n_i / n̄ (n̄ the
   mean train size), i.e. Eq. 8 divided by the constant n̄, absorbed into η like the 1/n of Eq. 4;
-- ε-greedy is one coin per client per round (spec §3.3 Option A), ties in the greedy top-M broken at random;
+- ε-greedy is one coin per client per round (§3.3 also reads as a coin per slot), ties in the greedy top-M
+  broken at random;
 - the optimizer is the run's (``cfg.optimizer``, ``cfg.lr``); the paper's setting is ``adam`` at 0.01;
 - a gradient addressed to an owner that is not taking part in the round (participation < 1) is dropped;
 - prediction leaves out collaborators with w_ij < PRED_MIN_WEIGHT and renormalizes (the paper: the others
@@ -58,7 +60,7 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector
 
 from rayfl import privacy, training
-from rayfl.algorithms.base import Algorithm, ClientLogic, Server
+from rayfl.algorithms.base import Algorithm, ClientLogic, Matrix, Server
 
 PRED_MIN_WEIGHT = 1e-4  # collaborators below this weight are left out of the prediction mixture
 INIT_LOSSES = ("all", "own")
@@ -68,7 +70,7 @@ INIT_LOSSES = ("all", "own")
 class Params:
     epsilon: float = 0.3  # probability of sampling neighbours uniformly instead of greedily (paper: 0.3)
     M: int = 3  # neighbours sampled per client per round (paper: 3)
-    beta: float = 0.6  # EMA weight on the NEW loss: L̂ <- (1-β) L̂ + β l (paper: 0.6; pitfall P2)
+    beta: float = 0.6  # EMA weight on the NEW loss: L̂ <- (1-β) L̂ + β l (§3.3; paper: 0.6, §4.1)
     init_losses: str = "all"  # initial L̂: "all" (one all-to-all evaluation at t=0) or "own" (own loss)
     loss_sum: bool = False  # per-round loss as Eq. 3's SUM over the n_i samples (n_i x batch mean), not the mean
     local_steps: int = 0  # E/M iterations per round; 0: a baseline's minibatch steps (local_epochs x n_i/batch)
@@ -95,7 +97,7 @@ class Params:
 # --------------------------------------------------------------------------------------- the math, pure
 
 def ema_update(L: np.ndarray, idx, losses, beta: float) -> np.ndarray:
-    """L̂_ij <- (1-β) L̂_ij + β l_ij for the evaluated entries only; the others stay stale (spec §3.4, P5)."""
+    """L̂_ij <- (1-β) L̂_ij + β l_ij for the evaluated entries only; the others stay stale (§3.3, "E-step")."""
     out = np.array(L, dtype=np.float64)
     idx = np.asarray(idx, dtype=np.int64)
     out[idx] = (1.0 - beta) * out[idx] + beta * np.asarray(losses, dtype=np.float64)
@@ -103,17 +105,19 @@ def ema_update(L: np.ndarray, idx, losses, beta: float) -> np.ndarray:
 
 
 def posterior(L: np.ndarray) -> np.ndarray:
-    """w_i = softmax(-L̂_i), with max-subtraction (spec §3.4; Eq. 3 with the prior folded into L̂)."""
+    """w_i = softmax(-L̂_i), with max-subtraction (§3.3, "Tracking the losses"; Eq. 3 with the prior folded
+    into L̂)."""
     z = -np.asarray(L, dtype=np.float64)
     e = np.exp(z - z.max())
     return e / e.sum()
 
 
 def eps_greedy(w: np.ndarray, me: int, M: int, eps: float, rng: np.random.Generator) -> list[int]:
-    """M distinct neighbours, never ``me``: with probability ε uniform, else the top-M of w (spec §3.3).
+    """M distinct neighbours, never ``me``: with probability ε uniform, else the top-M of w (§3.3, "Sampling
+    scheme").
 
-    [CHOICE] one coin per round (Option A); ties in the top-M are broken at random so that a uniform w
-    (e.g. identical losses) does not always favour low client ids."""
+    [CHOICE] one coin per round, not one per slot; ties in the top-M are broken at random so that a uniform
+    w (e.g. identical losses) does not always favour low client ids."""
     others = np.delete(np.arange(len(w)), me)
     if M <= 0:
         return []
@@ -126,7 +130,7 @@ def eps_greedy(w: np.ndarray, me: int, M: int, eps: float, rng: np.random.Genera
 
 
 class Mixture(nn.Module):
-    """h_i(x) = Σ_j w_ij h_φj(x) (spec §2 "Prediction"); for classification a mixture of probabilities,
+    """h_i(x) = Σ_j w_ij h_φj(x) (§3.2, after Eq. 6); for classification a mixture of probabilities,
     returned as log-probabilities so that cross-entropy and argmax in ``training.evaluate`` stay right."""
 
     def __init__(self, models: list[nn.Module], weights, task: str):
@@ -265,14 +269,14 @@ class FedericoClient(ClientLogic):
         return [client.model_of(v) for v in vectors]
 
     def init_client(self, client):
-        # [CHOICE] independent initialisation per client (spec §3.6): with one shared φ^(0) all losses tie at
+        # [CHOICE] independent initialisation per client: with one shared φ^(0) all losses tie at
         # t = 0 and W carries no information until the models have drifted apart.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(int(client.rng.integers(2**31)))
             client.model = client.new_model()
         s = client.settings
         client.optimizer = training.make_optimizer(client.model.parameters(), s.optimizer, s.lr, s.momentum,
-                                                   s.weight_decay)  # lives at the owner only (P8)
+                                                   s.weight_decay)  # lives at the owner only (Eq. 8)
 
     def _batch(self, client, full: bool = False):
         """A minibatch of the split the E-step reads: training, or validation under sample-level DP."""
@@ -283,7 +287,7 @@ class FedericoClient(ClientLogic):
         return x[idx], y[idx]
 
     def _temp(self, client) -> float:
-        """Scale of l_ij in the posterior: 1 (mean per sample, P3) or n_i (Eq. 3's sum over D_i)."""
+        """Scale of l_ij in the posterior: 1 (mean per sample) or n_i (Eq. 3's sum over D_i)."""
         return float(client.n()) if self.params.loss_sum else 1.0
 
     def _loss_fn(self, client):
@@ -312,7 +316,8 @@ class FedericoClient(ClientLogic):
         return {"w": w, "next": nxt, "steps": s.local_epochs * -(-client.n() // s.batch_size)}
 
     def step_estep(self, client, msg, models):
-        """E-step on the sampled entries, then the weighted gradients at the OLD parameters (spec P7)."""
+        """E-step on the sampled entries, then the weighted gradients at the OLD parameters (§3.2: both at
+    Φ^(t-1))."""
         st, me, p = client.state, client.cid, self.params
         peers = models.get("peers", {})
         owners = [me] + list(peers)
@@ -324,10 +329,10 @@ class FedericoClient(ClientLogic):
         with torch.no_grad() if account else contextlib.nullcontext():
             for net in nets:
                 net.train()
-                losses.append(loss_fn(net(x), y))  # mean per sample on B_i (P3)
+                losses.append(loss_fn(net(x), y))  # mean per sample on B_i
         new = [float(v.detach()) * self._temp(client) for v in losses]
-        st["L"] = ema_update(st["L"], owners, new, p.beta)  # spec §3.4
-        st["w"] = w = posterior(st["L"])  # w_i^(t), used for the gradients below (new w at old Φ, P7)
+        st["L"] = ema_update(st["L"], owners, new, p.beta)  # §3.3, EMA of the losses
+        st["w"] = w = posterior(st["L"])  # w_i^(t), used for the gradients below (new w at old Φ, §3.2)
         grads = {}
         private = self._private_grads(client, nets, loss_fn, account) if account else None
         for k, (j, net, loss) in enumerate(zip(owners, nets, losses)):
@@ -341,7 +346,7 @@ class FedericoClient(ClientLogic):
                 st["own_grad"] = vec.cpu().numpy()  # the owner's own term w_ii ∇ stays home
             else:
                 grads[j] = client.share(vec.cpu().numpy())
-        st["next"] = eps_greedy(w, me, p.M, p.epsilon, client.rng)  # N_i^(t+1) from w^(t) (P6)
+        st["next"] = eps_greedy(w, me, p.M, p.epsilon, client.rng)  # N_i^(t+1) from w^(t) (§3.3)
         return {"grads": grads, "w": w, "next": st["next"], "loss": float(losses[0].detach()), "n": client.n()}
 
     @staticmethod
@@ -376,7 +381,7 @@ class FedericoClient(ClientLogic):
         return {"model": client.share(client.vector())}
 
     def step_evaluate(self, client, msg, models):
-        """The w_i-weighted mixture of own and collaborators' outputs, with their latest models (P10)."""
+        """The w_i-weighted mixture of own and collaborators' outputs, with their latest models (§3.2)."""
         w = client.state["w"]
         peers = models.get("peers", {})
         owners = [client.cid] + list(peers)
@@ -388,5 +393,7 @@ ALGORITHMS = [
     Algorithm("federico", Params, FedericoServer, FedericoClient,
               "FedeRiCo: decentralized EM over collaborators (ε-greedy neighbours, EMA losses, Eq. 8 updates)",
               work="FedAvg's steps, each also a forward and backward pass of M sampled neighbours' models "
-                   "(Bertrand et al., Alg. 1)"),
+                   "(Sui et al., 2022, Alg. 1)",
+              plots={"W": Matrix("FedeRiCo collaborator weights w_ij (row: client, column: collaborator)",
+                                 "collaborator j", "client i", diverging=False)}),
 ]

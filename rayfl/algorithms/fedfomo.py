@@ -1,18 +1,18 @@
-"""FedFomo (Zhang et al., ICLR 2021; spec ../shared/specs/000_fedfomo.md): first-order model optimization.
+"""FedFomo (Zhang et al., ICLR 2021, §3.1 and App. A): personalized FL by first-order model optimization.
 
 The driver never averages. It keeps every client's latest upload as its own handle and the affinity matrix P
-(K x K, identity at start, spec §2.5). Each round a participating client downloads the M-1 other models that
-the top of its row of P picks (ε-greedy), adds its own latest model (M in all, spec §2.5/§7.8), weighs each
-candidate θ_n against its *baseline* (its model from before its last local training, spec §2.4/§7.1) by the
-first-order weight
+(K x K, identity at start, §3.1). Each round a participating client downloads the M-1 other models that
+the top of its row of P picks (ε-greedy), adds its own latest model (M in all, as in the authors' code), weighs
+each candidate θ_n against its *baseline* (its model from before its last local training: θ_i^{ℓ(t-1)} of
+§3.1 and App. A.1) by the first-order weight
 
     w_n = (L_i(base) - L_i(θ_n)) / ||θ_n - base||                         (Eq. 3, L_i on the client's val split)
 
 moves to base + Σ w*_n (θ_n - base) with w* = max(w, 0) / Σ max(w, 0)   (Eq. 13), or keeps base when no
 w_n is positive ("early stopping"), then trains E local epochs and uploads. The raw (signed) w goes back to
-the driver, which adds it to the client's row of P (p_i <- p_i + w, spec §2.5 / pitfall §7.4).
+the driver, which adds it to the client's row of P (p_i <- p_i + w, §3.1: the signed w, not w*).
 
-Conventions (where the paper is silent, spec cites the authors' code):
+Conventions (where the paper is silent, the authors' code decides):
 - ε decays additively per round, ε_r = max(ε - r·decay, 0) (code; paper says only "0.05 decay each round").
 - M counts the client's own model (code's num_update_clients + 1); the own model is never downloaded, the
   client has it in memory (it is exactly its last upload).
@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rayfl.algorithms.base import Algorithm, ClientLogic, Server, Stage
+from rayfl.algorithms.base import Algorithm, ClientLogic, Matrix, Server, Stage
 from rayfl.algorithms.baselines import weighted_mean
 
 DISTANCES = ("l2", "l1")
@@ -85,15 +85,16 @@ class FedFomoParams:
 # ------------------------------------------------------------------------------------------- the math
 
 def epsilon_at(epsilon: float, decay: float, rnd: int) -> float:
-    """ε_r = max(ε - r·decay, 0): the authors' additive reading of "0.05 decay each round" (spec §2.5)."""
+    """ε_r = max(ε - r·decay, 0): the authors' additive reading of "0.05 decay each round" (App. A.6)."""
     return max(epsilon - decay * rnd, 0.0)
 
 
 def select_models(p_row: np.ndarray, own: int, available: list[int], slots: int, eps: float,
                   rng: np.random.Generator) -> list[int]:
     """Up to ``slots`` other clients for one client: per slot, with probability ε the next model of a random
-    permutation, else the next highest entry of p_i; duplicates skipped (spec §2.5, authors' code). Ties in p
-    are broken at random (P starts as the identity, so all others tie at first; spec pitfall §7.10)."""
+    permutation, else the next highest entry of p_i; duplicates skipped (§3.1; the per-slot draw is the authors'
+    code). Ties in p are broken at random: P starts as the identity, so all others tie at first and the lowest
+    ids would always win."""
     others = np.array([c for c in available if c != own], dtype=np.int64)
     if slots <= 0 or others.size == 0:
         return []
@@ -109,7 +110,7 @@ def select_models(p_row: np.ndarray, own: int, available: list[int], slots: int,
 
 
 def model_distance(a: np.ndarray, b: np.ndarray, kind: str = "l2") -> float:
-    """||a - b|| over the flat parameter vector, in float64 (L1 norms of CNNs reach 1e5, spec pitfall §7.6)."""
+    """||a - b|| over the flat parameter vector, in float64 (L1 norms of CNNs reach 1e5)."""
     d = a.astype(np.float64) - b.astype(np.float64)
     return float(np.abs(d).sum()) if kind == "l1" else float(np.sqrt(np.dot(d, d)))
 
@@ -143,7 +144,7 @@ def leave_one_out(vecs: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]
 
 
 def normalize_weights(w: np.ndarray) -> np.ndarray:
-    """w* = max(w, 0) / Σ max(w, 0) (Eq. 13); all zeros when no weight is positive (keep base, spec §2.3)."""
+    """w* = max(w, 0) / Σ max(w, 0) (Eq. 13); all zeros when no weight is positive (keep base, §3.1)."""
     clipped = np.maximum(np.asarray(w, np.float64), 0.0)
     total = clipped.sum()
     return clipped / total if total > 0 else clipped
@@ -167,7 +168,7 @@ class FedFomoServer(Server):
         super().__init__(*args, **kwargs)
         k = self.info.n_clients
         self.uploads: dict[int, object] = {}  # cid -> handle of its latest upload, never averaged
-        self.P = np.eye(k)  # affinity, p_{i,j}: how much client i wants client j's model (spec §2.5)
+        self.P = np.eye(k)  # affinity, p_{i,j}: how much client i wants client j's model (§3.1)
         self.W = np.full((k, k), np.nan)  # last normalized weights w* each client used (row = client; NaN: not
         self.W_raw = np.full((k, k), np.nan)  # downloaded) and the last raw weights w each client computed
 
@@ -189,7 +190,7 @@ class FedFomoServer(Server):
 
     def run_round(self, stage, rnd, participants, call):
         # every message is planned from the uploads of earlier rounds, before any new one is stored: the
-        # updates are simultaneous (spec pitfall §7.7)
+        # updates are simultaneous: no client sees a model uploaded in the same round
         messages = self.plan(rnd, participants)
         train = stage.name == "train"
         for m in messages.values():
@@ -198,7 +199,7 @@ class FedFomoServer(Server):
         kept = 0
         for c, up in ups.items():
             for j, wj in up["w"].items():
-                self.P[c, j] += wj  # p_i <- p_i + w, raw w before clipping (spec §2.5)
+                self.P[c, j] += wj  # p_i <- p_i + w, raw w before clipping (§3.1)
             self.W_raw[c] = np.nan  # NaN: not a candidate of this client's last update
             self.W[c] = np.nan
             for j, wj in up["w"].items():
@@ -242,7 +243,7 @@ class FedFomoClient(ClientLogic):
         base = client.state["base"] if trained else client.vector()  # θ_i^{l(t-1)}: start of last training
         candidates = dict(models.get("peers", {}))
         if trained:
-            candidates[client.cid] = client.vector()  # own latest model ψ_i (= its upload), spec §2.3
+            candidates[client.cid] = client.vector()  # own latest model ψ_i (= its upload), §3.1 / App. A.1
         ids = list(candidates)
         w = np.zeros(0)
         w_star = np.zeros(0)
@@ -267,12 +268,21 @@ class FedFomoClient(ClientLogic):
         up = {"w": {j: float(x) for j, x in zip(ids, w)}, "w_star": {j: float(x) for j, x in zip(ids, w_star)},
               "kept_base": kept}
         if msg.get("train", True):
-            client.state["base"] = client.vector()  # φ_i: the baseline of the next update (spec §2.4)
+            client.state["base"] = client.vector()  # φ_i: the baseline of the next update (θ_i^{ℓ(t-1)}, §3.1)
             lr = client.settings.lr * self.params.lr_decay ** msg.get("round", 0)
             up.update(client.fit(lr=lr))
             up["weights"] = client.share(client.vector())
         return up
 
 
-ALGORITHMS = [Algorithm("fedfomo", FedFomoParams, FedFomoServer, FedFomoClient,
-                        "first-order weighted mix of M downloaded client models (Zhang et al. 2021)")]
+ALGORITHMS = [Algorithm(
+    "fedfomo", FedFomoParams, FedFomoServer, FedFomoClient,
+    "first-order weighted mix of M downloaded client models (Zhang et al. 2021)",
+    # the final update-only round: a comparison also shows the run at its last training round
+    compare_before={"update": "no-final-update"},
+    plots={"P": Matrix("FedFomo affinity P: p_ij summed over rounds (row: client i, column: client j)",
+                       "client j", "client i", diverging=True),
+           "weights": Matrix("FedFomo weights w*_ij of the last update (row: client, column: downloaded model)",
+                             "downloaded model (client id)", "client", diverging=False, missing="not downloaded"),
+           "weights_raw": Matrix("FedFomo raw weights w_ij of the last update (row: client, column: downloaded model)",
+                                 "downloaded model (client id)", "client", diverging=True, missing="not downloaded")})]

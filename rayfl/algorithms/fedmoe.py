@@ -1,16 +1,16 @@
-"""FedMoE: specialized federated learning with a mixture of experts (Listo Zec et al., arXiv 2010.02056; spec 001).
+"""FedMoE: specialized federated learning with a mixture of experts (Listo Zec et al., 2020, arXiv 2010.02056).
 
 Three stages of one run (Algorithm 1), each a Stage of the shared loop:
 
 1. ``fedavg``: FedAvg over the opted-in clients only (a fraction ``opt_out`` = q of the clients never takes
-   part); M = round(participation x K) of them per round whatever q is (spec 001 §5). The global model with
-   the best mean validation loss over the round's participants is kept (§3.2, spec pitfall 13).
+   part); M = round(participation x K) of them per round whatever q is (§4, "FedAvg parameters"). The global
+   model with the best mean validation loss over the round's participants is kept (§4, same paragraph).
 2. ``specialist``: every client, opted-out ones included, fine-tunes a copy of that global model on all of
    its training data with early stopping on its validation loss (Eq. 5); this is also the paper's
    "Fine-tuned" baseline.
 3. ``mixture``: a fresh gate h (the expert architecture with one sigmoid output) mixes the specialist and the
    frozen global model, y = h(x) f_s(x) + (1 - h(x)) f_g(x) (Eq. 6); gate and specialist are trained together
-   with early stopping (Eq. 7 with w_g frozen, spec pitfall 2).
+   with early stopping (Eq. 7 with w_g frozen, as §3 and §3.2 say, though Eq. 7 lists w_g).
 
 Evaluation: every client reports its model of the stage (stage 1: the selected global model; 2: the
 specialist; 3: the mixture) on its own val/test splits and on the balanced global test set ("global" split:
@@ -19,23 +19,23 @@ specialist; 3: the mixture) on its own val/test splits and on the balanced globa
 summarised across clients like any split (``fedavg_test_acc_mean``, ``finetuned_global_acc_worst``, ...) in
 rounds.csv, the MLflow run and the closing table.
 
-``mixture_loss`` (spec 001 §4.4): "paper" (default: the paper's Eq. 6 mixes the experts' softmax outputs, so
-the loss is -log(h p_s[y] + (1-h) p_g[y])) or "code" (the released code mixes log-softmax outputs, so the
-loss is h CE_s + (1-h) CE_g: a different objective). The mixture module returns log-probabilities for the
-paper's loss, so the platform's cross-entropy evaluation is exactly its NLL; under "code" the reported
-test loss is the cross-entropy of softmax(h log p_s + (1-h) log p_g), and predictions are its argmax (as in
-the code).
+``mixture_loss`` (the paper names no loss for Eq. 6): "paper" (default: Eq. 6 mixes the experts' softmax
+outputs, so the loss is -log(h p_s[y] + (1-h) p_g[y])) or "code" (the authors' code mixes log-softmax
+outputs, so the loss is h CE_s + (1-h) CE_g: a different objective). The mixture module returns
+log-probabilities for the paper's loss, so the platform's cross-entropy evaluation is exactly its NLL; under
+"code" the reported test loss is the cross-entropy of softmax(h log p_s + (1-h) log p_g), and predictions
+are its argmax (as in the code).
 
 Choices where the paper is silent, written down here:
 - Stages 2 and 3 use the run's optimizer (the paper: Adam; pass ``--optimizer adam``) with ``ft_lr``; 0 means
   a fifth of the run's lr, the paper's ratio (1e-5 after FedAvg at 5e-5).
 - Early stopping checks the validation loss before training and after every epoch and returns a deep copy
-  of the best model (spec pitfall 12); ``patience`` epochs without a strict improvement stop it. With an
-  empty validation split (val_frac = 0) the last epoch is kept. Stage 1 checks every ``select_every`` rounds
-  and on its last round.
+  of the best model (§4: "return the best performing model"; a state_dict alone aliases the live tensors);
+  ``patience`` epochs without a strict improvement stop it. With an empty validation split (val_frac = 0)
+  the last epoch is kept. Stage 1 checks every ``select_every`` rounds and on its last round.
 - The gate's hidden layers are freshly initialised per client (seeded by the client's rng), its last layer
-  replaced by a 1-unit Linear (spec 001 §4.3: scalar h, as in the code). Needs a model ending in nn.Linear,
-  which every rayfl model does.
+  replaced by a 1-unit Linear (§4 gives no output width; a scalar h as in the authors' code). Needs a model
+  ending in nn.Linear, which every rayfl model does.
 - Opted-out clients: floor(q K), uniform at random with the driver's seeded rng.
 - Stage-1 evaluation reports the model selected so far (the one FedMoE would hand out if stage 1 ended now).
 """
@@ -98,7 +98,7 @@ class Mixture(nn.Module):
     def __init__(self, specialist: nn.Module, global_model: nn.Module, gate: nn.Module, log_space: bool = False):
         super().__init__()
         self.specialist, self.global_model, self.gate = specialist, global_model, gate
-        self.global_model.requires_grad_(False)  # frozen: w_g is not trained in stage 3 (§3.1)
+        self.global_model.requires_grad_(False)  # frozen: w_g is not trained in stage 3 (§3.2)
         self.log_space = log_space
 
     def gate_value(self, x: torch.Tensor) -> torch.Tensor:
@@ -146,7 +146,8 @@ def nll(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn, batch: int 
 def fit_early_stopping(client, model: nn.Module, params, loss_fn, max_epochs: int, patience: int,
                        lr: float) -> dict:
     """Epochs on the training split until ``patience`` epochs pass without a lower validation loss; the model
-    is left at its best epoch (a deep copy, not the live tensors: spec 001 pitfall 12). Epoch 0 counts."""
+    is left at its best epoch (a deep copy: a state_dict alone aliases the live tensors and would end at the
+    last epoch). Epoch 0 counts."""
     s = client.settings
     opt = training.make_optimizer(params, s.optimizer, lr, s.momentum, s.weight_decay)
     (x, y), (xv, yv) = client.splits["train"], client.splits["val"]
@@ -206,7 +207,7 @@ class FedMoEServer(FedAvgServer):
         return metrics
 
     def _fedavg_round(self, rnd, call):
-        """Eq. (2) over M sampled opted-in clients, then model selection on their validation loss (§3.2)."""
+        """Eq. (2) over M sampled opted-in clients, then model selection on their validation loss (§4)."""
         sampled = sorted(int(c) for c in self.rng.choice(self.opt_in, size=self.per_round, replace=False))
         ups = self.train_and_average(call, {c: {"models": {"global": self.global_ref}} for c in sampled})
         metrics = {"train_loss": weighted_mean(ups, "train_loss"), "fedavg_participants": float(len(sampled))}

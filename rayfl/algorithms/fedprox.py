@@ -110,6 +110,7 @@ def trainable_mask(model: torch.nn.Module) -> torch.Tensor | None:
 
 class FedProxClient(FedAvgClient):
     private_training = True  # client.fit; the proximal term is added to the (private) gradient after it
+    local_buffers = True  # loads through client.scratch, trains through client.fit
 
     def local_fit(self, client, model, msg):
         """Algorithm 2, device side: from w^t (``model``), the run's epochs of SGD on h_k(·; w^t)."""

@@ -128,14 +128,16 @@ def couplings(W: np.ndarray, omega: np.ndarray) -> np.ndarray:
 def regularizer(W: np.ndarray, omega: np.ndarray, lam1: float, lam2: float) -> float:
     """R(W, Ω) = λ1 tr(W Ω Wᵀ) + λ2 ||W||²_F (Eq. 2)."""
     W = np.asarray(W, dtype=np.float64)
-    return float(lam1 * np.trace(W @ omega @ W.T) + lam2 * np.sum(W * W))
+    return float(lam1 * np.sum((W @ omega) * W) + lam2 * np.sum(W * W))  # tr(WΩWᵀ) without the d x d product
 
 
 def prox_head(v: torch.Tensor, c: torch.Tensor, omega_tt: float, lam1: float, lam2: float,
-              lr: float) -> torch.Tensor:
+              lr: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """argmin_w r(w) + ||w - v||² / (2 lr), r(w) = λ1 (Ω_tt ||w||² + 2 wᵀc) + λ2 ||w||² (R as a function of one
-    head, Eq. 2): w = (v - 2 lr λ1 c) / (1 + 2 lr (λ1 Ω_tt + λ2))."""
-    return (v - 2 * lr * lam1 * c) / (1 + 2 * lr * (lam1 * omega_tt + lam2))
+    head, Eq. 2): w = (v - 2 lr λ1 c) / (1 + 2 lr (λ1 Ω_tt + λ2)). ``out``: where to write it (``v`` itself in
+    a training step: two passes over the head, no temporaries)."""
+    w = torch.sub(v, c, alpha=2 * lr * lam1, out=out)
+    return w.div_(1 + 2 * lr * (lam1 * omega_tt + lam2))
 
 
 class ProxHead:
@@ -156,7 +158,7 @@ class ProxHead:
         for t in self.head:
             n = t.numel()
             c = self.coupling[offset:offset + n].view_as(t)
-            t.copy_(prox_head(t, c, self.omega_tt, self.lam1, self.lam2, self.lr))
+            prox_head(t, c, self.omega_tt, self.lam1, self.lam2, self.lr, out=t)
             offset += n
 
 

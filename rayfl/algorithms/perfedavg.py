@@ -99,6 +99,10 @@ def plain_steps(cfg, why: str) -> None:
 def flat_gradient(model: nn.Module, loss: torch.Tensor) -> torch.Tensor:
     """∂loss/∂v for v the model's weight vector (rayfl.training.to_vector's order); 0 for buffers, frozen and
     unused parameters."""
+    if getattr(model, "_rayfl_flat", None) is not None:  # a flattened model: backward into its flat buffer
+        grad = training.flat_grad(model)  # zeroed; every trainable parameter's .grad is a view of it
+        loss.backward()
+        return grad.clone()  # the buffer is reused by the next call
     entries = [t for t in model.state_dict(keep_vars=True).values() if t.is_floating_point()]
     params = [t for t in entries if isinstance(t, nn.Parameter) and t.requires_grad]
     grads = dict(zip(map(id, params), torch.autograd.grad(loss, params, allow_unused=True)))
@@ -149,12 +153,12 @@ def local_steps(n: int, batch_size: int, epochs: int, variant: str, tau: int) ->
 
 def inner_step(w: torch.Tensor, grad: torch.Tensor, alpha: float) -> torch.Tensor:
     """w̃ = w − α ∇f_i(w, D) (Algorithm 1's inner step; also the evaluation's one-step adaptation)."""
-    return w - alpha * grad
+    return torch.add(w, grad, alpha=-alpha)  # one fused pass
 
 
 def fo_step(w: torch.Tensor, grad_tilde: torch.Tensor, beta: float) -> torch.Tensor:
     """Per-FedAvg (FO): w − β ∇f_i(w̃, D'), the outer step with the Hessian term dropped."""
-    return w - beta * grad_tilde
+    return torch.add(w, grad_tilde, alpha=-beta)
 
 
 def hessian_vector_product(grad_at: Callable[[torch.Tensor], torch.Tensor], w: torch.Tensor, v: torch.Tensor,
@@ -166,7 +170,7 @@ def hessian_vector_product(grad_at: Callable[[torch.Tensor], torch.Tensor], w: t
 def hf_step(w: torch.Tensor, grad_tilde: torch.Tensor, hv: torch.Tensor, alpha: float, beta: float) -> torch.Tensor:
     """Per-FedAvg (HF): w − β (∇f_i(w̃, D') − α d), d ≈ ∇²f_i(w, D'') ∇f_i(w̃, D'): the outer step's
     (I − α ∇²f_i) ∇f_i with the Hessian-vector product approximated."""
-    return w - beta * (grad_tilde - alpha * hv)
+    return torch.add(w, torch.add(grad_tilde, hv, alpha=-alpha), alpha=-beta)
 
 
 def meta_step(model: nn.Module, w: torch.Tensor, batches: Batches, p: PerFedAvgParams,

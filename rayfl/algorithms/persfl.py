@@ -1,12 +1,13 @@
-"""PersFL (Divi, Farrukh, Celik; spec ../shared/specs/004_persfl.md): distillation from each client's best
+"""PersFL (Divi, Farrukh and Celik, 2021, arXiv 2105.15191, §4.1): distillation from each client's best
 FedAvg round.
 
 Stage 1 ("fedavg") is FedAvg itself (the baselines' server and client, reused). Every client also checks
 each global model it receives on its own validation split and keeps the one with the lowest cross-entropy as
-its *teacher* O_k, replacing it only on strict improvement (Eq. 2, Algorithm 1 lines 1-11; per client, spec
-pitfall §6.1). The candidates are the copies received at the start of rounds 1..E_G (round 1's is the initial
-model, spec §6.2) plus the final aggregate, checked at the start of stage 2 [spec: INFERRED]; the recorded
-``teacher_round`` is the number of aggregations the teacher had seen (0 = initial model, E_G = final).
+its *teacher* O_k, replacing it only on strict improvement (Eq. 2, Algorithm 1 lines 1-11; one best loss
+per client, though the algorithm writes a single l_k'). The candidates are the copies received at the start of
+rounds 1..E_G (§4.1: each user "stores the global model's current copy before updating" it, so round 1's is the
+initial model) plus the final aggregate, checked at the start of stage 2 (the paper does not name it); the
+recorded ``teacher_round`` is the number of aggregations the teacher had seen (0 = initial model, E_G = final).
 
 Stage 2 ("distill", one round, no communication but the teacher bookkeeping): per client and per grid point
 (λ, T), the student starts as a copy of the teacher and trains on the client's training split on
@@ -18,14 +19,14 @@ is kept (ties: lower validation loss, then the first point in (λ, T) order; the
 ``variant="gd"`` uses Eq. 7's cross-entropy soft loss instead of KL; ``teacher="final"`` distils from the
 final FedAvg model (the Table 4 ablation).
 
-Choices where the paper is silent (written down as the brief asks):
+Choices where the paper is silent, written down here:
 - KL direction: teacher first. Eq. 3 and Eq. 7 write the *prediction first, target second*
   (``L_cross(σ(A(x)), y)``), so Eq. 3's ``KL(σ(A/T), σ(O/T))`` reads, in that convention, as the target σ(O/T)
   against the prediction, i.e. KL(teacher || student), as Algorithm 1 and the prose say. The KL is summed over
-  classes and averaged over the batch ("batchmean", spec pitfall §6.5). The GD variant then has the same
-  gradients (CE = KL + H(teacher)); only the reported loss value differs.
-- Grid default: λ ∈ {0, .25, .5, .75, 1}, T ∈ {1, 5, 9, ..., 25} (inferred from Table 5, spec §2.2). An empty
-  grid means "use the single ``lam`` / ``T``" (a Tune trial sets lam, T and ``lam_grid=() T_grid=()``).
+  classes and averaged over the batch ("batchmean": a mean over batch x classes would shrink the soft term).
+  The GD variant then has the same gradients (CE = KL + H(teacher)); only the reported loss value differs.
+- Grid default: λ ∈ {0, .25, .5, .75, 1}, T ∈ {1, 5, 9, ..., 25} (inferred from Table 5: the text lists no
+  grid). An empty grid means "use the single ``lam`` / ``T``" (a Tune trial sets lam, T and ``lam_grid=() T_grid=()``).
 - Every grid point restarts from the teacher with the same batch order (a generator seeded by (seed, client),
   independent of stage 1), so one grid point run alone (a Tune trial) equals that point inside the grid. Stage 1
   reads no PersFL knob (``depends_on=()``), so runs that differ only in stage-2 knobs share it through the
@@ -54,8 +55,8 @@ if TYPE_CHECKING:
 
 VARIANTS = ("sgd", "gd")  # sgd: PersFL's KL soft loss (Eq. 3, trained by plain SGD); gd: PersFL-GD (Eq. 7)
 TEACHERS = ("best", "final")
-LAM_GRID = (0.0, 0.25, 0.5, 0.75, 1.0)  # spec §2.2 (inferred from Table 5)
-T_GRID = (1.0, 5.0, 9.0, 13.0, 17.0, 21.0, 25.0)  # spec §2.2 (inferred from Table 5)
+LAM_GRID = (0.0, 0.25, 0.5, 0.75, 1.0)  # inferred from Table 5: each mean there is a fifth of a grid sum
+T_GRID = (1.0, 5.0, 9.0, 13.0, 17.0, 21.0, 25.0)  # inferred from Table 5, likewise
 
 
 @dataclass
@@ -69,7 +70,8 @@ class PersFLParams:
     teacher: str = "best"  # best: each client's optimal round (Eq. 2); final: the last FedAvg model (Table 4)
 
     def grid(self) -> list[tuple[float, float]]:
-        """(λ, T) points in the order ties are broken: λ outer, T inner, as given (spec pitfall §6.7)."""
+        """(λ, T) points in the order ties are broken: λ outer, T inner, as given (Table 5's many
+        T = 1, λ = 0 picks say the first point wins a tie)."""
         return [(float(lam), float(t)) for lam in (self.lam_grid or (self.lam,)) for t in (self.T_grid or (self.T,))]
 
     def check(self, n_clients: int) -> None:
@@ -100,7 +102,8 @@ def distill_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, y: 
                  T: float, variant: str = "sgd") -> torch.Tensor:
     """(1-λ)·CE(y, A) + λ·T²·soft, soft = KL(σ(O/T) || σ(A/T)) (Eq. 3) or CE(σ(O/T), σ(A/T)) (Eq. 7 "gd").
 
-    Both on logits (spec pitfall §6.3); KL summed over classes, averaged over the batch (pitfall §6.5)."""
+    Both on logits (dividing probabilities by T would be wrong); KL summed over classes, averaged over the
+    batch."""
     hard = F.cross_entropy(student_logits, y)
     if lam == 0:
         return hard
@@ -224,7 +227,8 @@ class PersFLClient(FedAvgClient):
         return {}
 
     def step_distill(self, client, msg, models):
-        """Per (λ, T): student := teacher, distil on train, score on val; keep the best (Eq. 3, spec §1.9)."""
+        """Per (λ, T): student := teacher, distil on train, score on val; keep the best (Eq. 3,
+        Algorithm 1 lines 12-25)."""
         p, s = self.params, client.settings
         source = client.state["teacher"] if p.teacher == "best" else client.state["final"]
         teacher = client.new_model(source)
@@ -260,4 +264,7 @@ class PersFLClient(FedAvgClient):
 ALGORITHMS = [Algorithm("persfl", PersFLParams, PersFLServer, PersFLClient,
                         "FedAvg, then distillation from each client's best FedAvg round (Divi et al.)",
                         work="FedAvg's, then one distillation stage: distill_epochs per (lam, T) grid point "
-                             "(Divi et al., Alg. 1)")]
+                             "(Divi et al., Alg. 1)",
+                        # the single lam / T act only when the per-client grid over them is empty: a sweep over
+                        # them empties it (else every trial would run the whole grid inside)
+                        implies={"lam": {"lam_grid": ()}, "T": {"T_grid": ()}})]

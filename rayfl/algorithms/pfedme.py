@@ -81,18 +81,21 @@ class PFedMeParams:
 
 # ------------------------------------------------------------------------------------------- the math
 
-def inner_gradient(grad: torch.Tensor, theta: torch.Tensor, w: torch.Tensor, lam: float) -> torch.Tensor:
-    """∇h_i(θ) = ∇f_i(θ; D) + λ (θ − w): the gradient of Eq. 7's objective."""
-    return grad + lam * (theta - w)
+def inner_gradient(grad: torch.Tensor, theta: torch.Tensor, w: torch.Tensor, lam: float,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """∇h_i(θ) = ∇f_i(θ; D) + λ (θ − w): the gradient of Eq. 7's objective (into ``out`` if given: the inner
+    solve's K steps reuse one buffer)."""
+    return torch.sub(theta, w, out=out).mul_(lam).add_(grad)
 
 
 def solve_inner(model: nn.Module, theta: torch.Tensor, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
                 p: PFedMeParams, loss_fn) -> tuple[torch.Tensor, torch.Tensor]:
     """θ̃ ≈ argmin_θ f_i(θ; D) + λ/2 ||θ − w||² (Eq. 7) by K gradient steps of size ν from ``theta``, all on
-    the same batch D; returns θ̃ and f_i(θ̃; D)."""
+    the same batch D, in place in ``theta``; returns θ̃ and f_i(θ̃; D)."""
+    step = torch.empty_like(theta)
     for _ in range(p.K):
         _, grad = gradient(model, theta, x, y, loss_fn)
-        theta = theta - p.personal_lr * inner_gradient(grad, theta, w, p.lam)
+        theta.sub_(inner_gradient(grad, theta, w, p.lam, out=step), alpha=p.personal_lr)
     with torch.no_grad():
         training.load_vector(model, theta)
         loss = loss_fn(model(x), y)
@@ -101,7 +104,7 @@ def solve_inner(model: nn.Module, theta: torch.Tensor, w: torch.Tensor, x: torch
 
 def local_update(w: torch.Tensor, theta: torch.Tensor, eta: float, lam: float) -> torch.Tensor:
     """w_{i,r+1} = w_{i,r} − η λ (w_{i,r} − θ̃_i) (Algorithm 1's local update)."""
-    return w - eta * lam * (w - theta)
+    return torch.add(w, w - theta, alpha=-eta * lam)
 
 
 def global_update(w: np.ndarray, mean_local: np.ndarray, beta: float) -> np.ndarray:

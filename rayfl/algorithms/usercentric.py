@@ -1,4 +1,4 @@
-"""User-centric federated learning (Mestoukirdi et al., arXiv 2110.09869; spec 003).
+"""User-centric federated learning (Mestoukirdi et al., 2021, arXiv 2110.09869, §III).
 
 One special round before training (``Server.setup``): every user uploads its full-batch mean gradient g_i at
 the common model θ̂ (the shared initialisation), its gradient variance σ_i² (eq. 7) and its data size n_i.
@@ -11,7 +11,7 @@ centroid's weights (§III-B). Each round every user trains from its stream's mod
 θ_c = Σ_j ŵ_cj θ_j^{t-1/2} over all users' uploaded parameters (eq. 5). k = m (or 0) is full
 personalization, and identical users (Δ = 0) give w_ij = n_j / Σn: FedAvg.
 
-Choices where the paper is silent (spec 003 §3.3-3.5), written down here:
+Choices where the paper is silent (§III-A gives neither θ̂ nor the σ² batches), written down here:
 - θ̂ is the common initial model; W and the clustering are computed once and never again.
 - σ² batches: n_k = ``sigma_batch`` (0: the run's batch size), K = floor(n_i / n_k) contiguous batches of the
   (already shuffled) training split, remainder dropped; n_k is halved for users with fewer than 2 n_k samples
@@ -26,7 +26,8 @@ Choices where the paper is silent (spec 003 §3.3-3.5), written down here:
   k = m, so it stays the default; ``sigma_batch`` is swept in tune_spaces/usercentric.yaml.
 - Gradients are over all trainable parameters, of the mean-reduced loss, in float64.
 - Every user takes part in every round (the paper sums over all j): the stage does not sample, so the run's
-  ``participation`` is not used. The optimizer is fresh each round (momentum reset, spec 003 pitfall 12).
+  ``participation`` is not used. The optimizer is fresh each round (momentum reset: the paper does not
+  say, and a buffer kept across rounds would carry steps taken before the driver replaced the model).
 - k-means: sklearn KMeans, k-means++ init, n_init=10, seeded; centroids renormalised to sum 1 (harmless).
 - Silhouette scores of k-means on the rows of W are logged for k = 2 .. min(m - 1, 10) (the paper's guide for
   choosing k, §III-B); they are reported, not used to pick k.
@@ -41,7 +42,7 @@ import numpy as np
 import torch
 
 from rayfl import training
-from rayfl.algorithms.base import Algorithm, ClientLogic, Server, Stage
+from rayfl.algorithms.base import Algorithm, ClientLogic, Matrix, Server, Stage
 from rayfl.algorithms.baselines import weighted_mean
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ SILHOUETTE_MAX_K = 10
 @dataclass
 class UserCentricParams:
     streams: int = 0  # k downlink streams; 0 or the number of users: full personalization (k = m)
-    sigma_batch: int = 0  # n_k of eq. (7); 0: the run's batch size (not in the paper, spec 003 §3.3)
+    sigma_batch: int = 0  # n_k of eq. (7); 0: the run's batch size (the paper gives no n_k)
 
     def check(self, n_clients: int) -> None:
         if not 0 <= self.streams <= n_clients:
@@ -68,7 +69,7 @@ class UserCentricParams:
 def collaboration_weights(grads: np.ndarray, sigma2: np.ndarray, n: np.ndarray) -> np.ndarray:
     """W (m x m, rows sum to 1) from the users' mean gradients (m x d), variances σ² and sizes n (eq. 6).
 
-    Log-space softmax: the n_i of the paper's ratio n_j / n_i cancels (spec 003 §3.2)."""
+    Log-space softmax: the n_i of the paper's ratio n_j / n_i cancels (eq. 6)."""
     from scipy.spatial.distance import cdist
 
     g = np.asarray(grads, dtype=np.float64)
@@ -148,7 +149,7 @@ class UserCentricServer(Server):
         self.silhouette: dict[int, float] = {}
 
     def stages(self):
-        return [Stage("train", self.info.rounds, sample=False)]  # all m users every round (spec 003 §3.5)
+        return [Stage("train", self.info.rounds, sample=False)]  # all m users every round (eq. 5 sums over all j)
 
     def setup(self, call):
         """The special round: gradient statistics at θ̂, then W, the streams and the silhouette scores."""
@@ -237,5 +238,7 @@ ALGORITHMS = [
     Algorithm("usercentric", UserCentricParams, UserCentricServer, UserCentricClient,
               "user-centric aggregation with softmax weights from gradient statistics, k downlink streams",
               work="FedAvg's, plus one gradient-statistics pass before the first round (Mestoukirdi et al., "
-                   "Sec. III)"),
+                   "Sec. III)",
+              plots={"W": Matrix("User-centric aggregation weights w_ij (row: user, column: user whose update is "
+                                 "mixed)", "user j (update)", "user i", diverging=False)}),
 ]

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from rayfl.config import FIELDS, UserError, read_yaml
+from rayfl.config import FIELDS, UserError, read_yaml, shown
+from rayfl.flags import add_config_arguments, parse_params
 
 
-def add_compare_parser(subparsers, add_config_arguments) -> None:
+def add_compare_parser(subparsers) -> None:
     from rayfl.comparison.presets import PRESETS
 
     p = subparsers.add_parser(
@@ -16,7 +17,7 @@ def add_compare_parser(subparsers, add_config_arguments) -> None:
                     "per (algorithm, seed), the table (CSV, Markdown) and a bar chart as artifacts. Presets are "
                     "each paper's setting scaled to data we have, with the paper's numbers beside ours: "
                     + ", ".join(PRESETS) + " (rayfl/comparison/presets.py).")
-    add_config_arguments(p)
+    add_config_arguments(p, hidden=("algo",))  # --algos names the algorithms; --algo is refused, naming it
     g = p.add_argument_group("comparison")
     g.add_argument("--algos", metavar="A,B,...", help="algorithms to compare (default: the preset's)")
     g.add_argument("--seeds", type=int, nargs="+", metavar="S", help="seeds (default: 0 1 2, or --seed)")
@@ -30,15 +31,18 @@ def add_compare_parser(subparsers, add_config_arguments) -> None:
 
 
 def cmd_compare(args) -> int:
-    from rayfl.cli import parse_params
-    from rayfl.progress import format_round
     from rayfl.comparison.run import compare
+    from rayfl.progress import format_round
 
     config = read_yaml(args.config) if args.config else {}
     if "algo" in vars(args):
-        raise UserError(f"--algo {args.algo}: compare takes --algos A,B,...")
+        raise UserError(f"--algo {shown(args.algo)}: compare takes --algos A,B,... (did you mean --algos?)")
     config.update({k: v for k, v in vars(args).items() if k in FIELDS and k != "params"})
-    params = {**config.pop("params", {}), **parse_params(args.param)}
+    file_params = config.pop("params", {})
+    if not isinstance(file_params, dict) or not all(isinstance(k, str) for k in file_params):
+        raise UserError(f"params={shown(file_params)} in {args.config}: must be a mapping of algorithm knobs "
+                        f"(name: value)")
+    params = {**file_params, **parse_params(args.param)}
     seeds = args.seeds or ([config["seed"]] if "seed" in config else [0, 1, 2])
     algos = [a.strip() for a in args.algos.split(",") if a.strip()] if args.algos else None
     if args.algos is not None and not algos:

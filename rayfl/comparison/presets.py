@@ -57,7 +57,7 @@ FEDFOMO_LATENT = {
     10: (92.64, 10.10, 41.61, 13.41, 94.42, 94.28, 85.22, 93.97, 94.57, 95.55, 95.55),
 }
 
-# FedeRiCo's Table 1 (Bertrand et al., CIFAR-10): its rows, FedFomo with 20% of each client's training data held
+# FedeRiCo's Table 1 (Sui et al., 2022, CIFAR-10): its rows, FedFomo with 20% of each client's training data held
 # out (16% of all its data, the test split being 20%) and FedAvg+ as one epoch of local tuning (fedavg-ft).
 FEDERICO_ROWS = ("fedavg", "fedavg-ft", "local", "cfl", "fedem", "fedfomo:val_frac=0.16", "federico")
 FEDERICO_TABLE = {2: (11.44, 12.45, 40.09, 11.50, 41.21, 42.24, 56.61),
@@ -180,7 +180,7 @@ PRESETS = {p.name: p for p in [
             "lr": 0.01, "val_frac": 0.0},
            {"fedem": {"M": 4}},
            column(FEDERICO_ROWS, FEDERICO_TABLE[3]),
-           "Bertrand et al., Table 1, CIFAR-10 with 2, 3 or 4 distributions (the column of --groups)",
+           "Sui et al., 2022, Table 1, CIFAR-10 with 2, 3 or 4 distributions (the column of --groups)",
            ("groups", tuple((g, column(FEDERICO_ROWS, values)) for g, values in FEDERICO_TABLE.items()))),
     Preset("federico-sine",
            "FedeRiCo Fig. 1: linear models on successive intervals of a noisy sine curve (qualitative in the "
@@ -188,7 +188,7 @@ PRESETS = {p.name: p for p in [
            ("local", "fedavg", "federico"),
            {"dataset": "sine", "partition": "latent", "groups": 8, "clients": 8, "rounds": 100,
             "optimizer": "adam", "lr": 0.01, "val_frac": 0.0},
-           {}, {}, "Bertrand et al., Fig. 1 (no numbers)"),
+           {}, {}, "Sui et al., 2022, Fig. 1 (no numbers)"),
     Preset("persfl-ds1",
            "PersFL DS-1: 10 users with 4 classes each, equal sizes (MNIST, 100 FedAvg rounds in the paper; "
            "20 here).",

@@ -22,9 +22,8 @@ import pandas as pd
 
 from rayfl.comparison.presets import PRESETS
 from rayfl.comparison.table import CLASSIFICATION, REGRESSION, SAME_WORK, WORK, Agreement, bar_chart, markdown, ordering_agreement, summarize_runs, with_paper
-from rayfl.config import UserError, make_config
-
-NO_FINAL_UPDATE = "fedfomo-no-final-update"  # FedFomo at its last training round, before its extra update
+from rayfl.config import UserError, make_config, shown
+from rayfl.session import check_tracking_store, shutdown_ray, start_ray
 
 
 @dataclass
@@ -77,9 +76,7 @@ def parse_row(spec: str) -> tuple[str, dict, dict]:
     (``fedfomo:M=10``, ``persfl:variant=gd``) or a config key for that row alone (``fedfomo:val_frac=0.16``:
     FedFomo's held-out split in FedeRiCo's table). Returns (algorithm, knobs, config values); the spec itself
     is the row's label."""
-    import yaml
-
-    from rayfl.config import FIELDS
+    from rayfl.config import FIELDS, yaml_value
 
     algo, *items = [part.strip() for part in spec.split(":")]
     knobs: dict = {}
@@ -88,10 +85,7 @@ def parse_row(spec: str) -> tuple[str, dict, dict]:
         key, sep, value = item.partition("=")
         if not algo or not sep or not key.strip() or key.strip() in ("algo", "seed", "params"):
             raise UserError(f"algos={spec!r}: a row is ALGO or ALGO:KEY=VALUE:... (a knob or a config key)")
-        try:
-            parsed = yaml.safe_load(value.strip())  # a YAML scalar, as -p KEY=VALUE reads one
-        except yaml.YAMLError:
-            parsed = value.strip()
+        parsed = yaml_value(value.strip(), key.strip())  # a YAML scalar, as -p KEY=VALUE reads one
         (config if key.strip() in FIELDS else knobs)[key.strip()] = parsed
     return algo, knobs, config
 
@@ -100,8 +94,21 @@ def work_of(label: str) -> str:
     """A row's local work per round, as its algorithm declares it (``Algorithm.work``)."""
     from rayfl.algorithms import get_algorithm
 
+    return get_algorithm(row_algorithm(label)).work or SAME_WORK
+
+
+def row_algorithm(label: str) -> str:
+    """The algorithm a row label names, a second row's (``ALGO-SUFFIX``, see :func:`before_rows`) included."""
+    from rayfl.algorithms import algorithm_names, get_algorithm
+
     algo = parse_row(label)[0]
-    return get_algorithm("fedfomo" if label.startswith(NO_FINAL_UPDATE) else algo).work or SAME_WORK
+    names = algorithm_names()
+    if algo in names:
+        return algo
+    for name in names:
+        if any(algo == f"{name}-{suffix}" for suffix in get_algorithm(name).compare_before.values()):
+            return name
+    return algo
 
 
 def build_configs(algos: Sequence[str] | None, seeds: Sequence[int], preset: str | None = None,
@@ -149,23 +156,38 @@ def build_configs(algos: Sequence[str] | None, seeds: Sequence[int], preset: str
     return out
 
 
-def no_final_update(label: str) -> str:
-    """The row of FedFomo's last training round, beside the row ``label`` of its extra update-only round."""
+def before_label(label: str, suffix: str) -> str:
+    """A second row's label: ``ALGO-SUFFIX`` with the row's own ``:KEY=VALUE`` after (``ALGO:M=10`` ->
+    ``ALGO-SUFFIX:M=10``)."""
     algo, sep, rest = label.partition(":")
-    return NO_FINAL_UPDATE + sep + rest
+    return f"{algo}-{suffix}{sep}{rest}"
+
+
+def before_rows(label: str) -> dict[str, str]:
+    """Stage -> the label of the row's second row, for a last stage that its algorithm asks a comparison to show
+    both ways (``Algorithm.compare_before``): the run as it ends, and as of its last evaluated round before."""
+    from rayfl.algorithms import get_algorithm
+
+    try:
+        algo = get_algorithm(parse_row(label)[0])
+    except KeyError:
+        return {}
+    return {stage: before_label(label, suffix) for stage, suffix in algo.compare_before.items()}
 
 
 def final_rows(label: str, seed: int, out: dict) -> list[dict]:
-    """The run's final-round summary as a table row; FedFomo's extra update-only round shown both ways."""
+    """The run's final-round summary as a table row; a last stage its algorithm shows both ways
+    (:func:`before_rows`) adds the row of its last evaluated round before that stage."""
     from rayfl.tracking import numeric
 
     rows = [{"algo": label, "seed": seed, "run_id": out.get("run_id"), **numeric(out["final"])}]
     history = out.get("history") or []
-    if parse_row(label)[0] == "fedfomo" and history and history[-1].get("stage") == "update":
-        trained = [h for h in history if h.get("stage") == "train" and ("test_acc_mean" in h or "test_loss_mean" in h)]
-        if trained:
-            rows.append({"algo": no_final_update(label), "seed": seed, "run_id": out.get("run_id"),
-                         **numeric(trained[-1])})
+    last = history[-1].get("stage") if history else None
+    second = before_rows(label).get(last) if last is not None else None
+    if second:
+        before = [h for h in history if h.get("stage") != last and ("test_acc_mean" in h or "test_loss_mean" in h)]
+        if before:
+            rows.append({"algo": second, "seed": seed, "run_id": out.get("run_id"), **numeric(before[-1])})
     return rows
 
 
@@ -188,7 +210,8 @@ def compare(algos: Sequence[str] | None = None, seeds: Sequence[int] = (0, 1, 2)
             params: dict | None = None, runtime: str = "ray", max_concurrent: int | None = None,
             address: str | None = None, name: str | None = None,
             on_round: Callable[[str, dict], None] | None = None, command: str | None = None,
-            progress: bool | Callable[[str], None] = False, **config) -> CompareResult:
+            progress: bool | Callable[[str], None] = False, plugins: list[str] | None = None,
+            **config) -> CompareResult:
     """Run every algorithm in ``algos`` with every seed in ``seeds`` on the same federation and return the
     paper-style table (mean ± std over seeds of the final round's test accuracy mean, worst client and
     bottom 10%, plus the algorithms' extra columns).
@@ -201,22 +224,33 @@ def compare(algos: Sequence[str] | None = None, seeds: Sequence[int] = (0, 1, 2)
     ``on_round(label, record)`` sees every round of every experiment. ``command``: what the user typed, for
     the runs' provenance tags (default: this process's command line). ``progress``: True prints what will run,
     ``k/N done`` with an estimate of the time left as each experiment ends, and where MLflow shows the result;
-    a callable receives those lines instead."""
+    a callable receives those lines instead. ``plugins``: .py files or module names to load first, as
+    ``--plugin`` (their algorithms can be rows)."""
     from rayfl.data.report import PartitionReport
     from rayfl.experiment import prepare
+    from rayfl.plugins import as_sources, load_plugins
     from rayfl.progress import partition
     from rayfl.provenance import origin
     from rayfl.tracking import ensure_experiment, resolve_tracking_uri
 
+    load_plugins(as_sources(plugins))
+    from rayfl.config import check_value
+
+    for key, value in {"algos": algos, "seeds": seeds, "params": params, "name": name, **config}.items():
+        check_value(key, value)  # bounded before anything walks or quotes it
+    if name is not None and not isinstance(name, str):
+        raise UserError(f"name={shown(name)}: must be a string (the MLflow parent run's name)")
     if runtime not in ("ray", "local"):
         raise UserError(f"runtime={runtime!r}: allowed: ray, local")
-    if max_concurrent is not None and max_concurrent < 1:
-        raise UserError(f"max_concurrent={max_concurrent}: must be an integer >= 1")
+    if max_concurrent is not None and (isinstance(max_concurrent, bool) or not isinstance(max_concurrent, int)
+                                       or max_concurrent < 1):
+        raise UserError(f"max_concurrent={shown(max_concurrent)}: must be an integer >= 1")
     planned = build_configs(algos, seeds, preset, params, **config)
     # every user mistake surfaces here, before anything starts
     prepared = [(row, prepare(cfg)) for row, cfg in planned]
     base = planned[0][1]
     uri = resolve_tracking_uri(base.tracking_uri)
+    check_tracking_store(uri, base.experiment)  # as run checks it: no directories made for a store it refuses
     exp_id = ensure_experiment(uri, base.experiment)
     order = list(dict.fromkeys(row for row, _ in planned))
     seeds = list(dict.fromkeys(cfg.seed for _, cfg in planned))
@@ -279,8 +313,6 @@ def compare(algos: Sequence[str] | None = None, seeds: Sequence[int] = (0, 1, 2)
         if runtime == "ray":
             import ray
 
-            from rayfl.api import start_ray
-
             started_ray = start_ray(address, lambda event: None)
             cpus = float(ray.cluster_resources().get("CPU", 1.0))
             concurrent = max_concurrent or max(1, min(len(prepared), int(cpus // max(1, base.torch_threads))))
@@ -295,13 +327,12 @@ def compare(algos: Sequence[str] | None = None, seeds: Sequence[int] = (0, 1, 2)
         raise
     finally:
         if started_ray:
-            from rayfl.cli import shutdown_ray
-
             shutdown_ray()  # and the environment init_ray changed, as it was
     runs = pd.DataFrame(rows)
-    for row in list(order):
-        if parse_row(row)[0] == "fedfomo" and no_final_update(row) in set(runs["algo"]):
-            order.insert(order.index(row) + 1, no_final_update(row))
+    for row in list(order):  # a second row (before_rows) right after its row
+        for second in reversed(before_rows(row).values()):
+            if second in set(runs["algo"]):
+                order.insert(order.index(row) + 1, second)
     table = summarize_runs(runs, order)
     table[WORK] = [work_of(row) for row in table["algo"]]
     agreement = None

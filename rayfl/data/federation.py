@@ -10,12 +10,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rayfl.config import PARTITIONS, Config, UserError
-from rayfl.data import partition as P
-from rayfl.data.datasets import Dataset
+from typing import TYPE_CHECKING
 
-HOLDOUT_FRAC, HOLDOUT_MAX = 0.1, 1000  # FedMoE's global test set: n = 1000, balanced (spec 001 §8)
-REGRESSION_PARTITIONS = ("iid", "latent")
+from rayfl.data import partition as P
+from rayfl.data.partition import PARTITIONS
+from rayfl.data.datasets import Dataset
+from rayfl.user_input import UserError
+
+if TYPE_CHECKING:
+    from rayfl.config import Config
+
+HOLDOUT_FRAC, HOLDOUT_MAX = 0.1, 1000  # FedMoE's global test set: n = 1000, balanced (Listo Zec et al., 2020, §4)
+REGRESSION_PARTITIONS = ("iid", "latent", "natural")
 
 
 @dataclass
@@ -50,14 +56,17 @@ def build_federation(cfg: Config, ds: Dataset) -> Federation:
     The holdout is always carved before partitioning (classification only): min(10% of the data, 1000)
     samples, equal per class, so it is the same set for every partition and never overlaps a client."""
     _check(cfg, ds)
-    holdout = _holdout(ds, _rng(cfg, 1))
+    # a natural partition's samples belong to their owners: no global holdout is taken from them
+    holdout = _holdout(ds, _rng(cfg, 1)) if cfg.partition != "natural" else np.zeros(0, dtype=np.int64)
     pool = np.setdiff1d(np.arange(len(ds.y)), holdout)
     labels = ds.y if ds.task == "classification" else None
     rng = _rng(cfg, 2)
     weights = P.size_weights(cfg, _rng(cfg, 3))
     transforms = [{} for _ in range(cfg.clients)]
     name = cfg.partition
-    if name == "iid":
+    if name == "natural":
+        parts, groups = P.natural(pool, ds.client), None
+    elif name == "iid":
         parts, groups = P.iid(cfg, pool, labels, weights, rng)
     elif name == "pathological":
         parts, groups = P.pathological(cfg, pool, labels, weights, rng, ds.num_classes)
@@ -101,6 +110,17 @@ def _check(cfg: Config, ds: Dataset) -> None:
         raise UserError(f"partition='rotation': needs images; dataset {ds.name!r} is tabular")
     if cfg.ood and cfg.clients < 2:
         raise UserError("ood=True: needs at least 2 clients to swap (val, test) pairs between")
+    if cfg.partition == "natural":
+        if ds.client is None:
+            raise UserError(f"partition='natural': needs a dataset with a client column (a client id per sample); "
+                            f"{ds.name!r} has none")
+        owners = len(np.unique(ds.client))
+        if cfg.clients != owners:
+            raise UserError(f"clients={cfg.clients}: partition='natural' takes the {owners} clients of {ds.name!r}'s "
+                            f"client column; set clients={owners}")
+        if cfg.sizes != "equal":
+            raise UserError(f"sizes={cfg.sizes!r}: partition='natural' keeps each client's own samples; "
+                            f"allowed: equal")
     if cfg.clients > len(ds.y):
         raise UserError(f"clients={cfg.clients}: more clients than the {len(ds.y)} samples of {ds.name!r}")
 
@@ -143,9 +163,9 @@ def _split(i: int, idx: np.ndarray, cfg: Config, rng: np.random.Generator):
 
 
 def _swap_targets(clients: list[ClientData], rng: np.random.Generator) -> None:
-    """FedFomo's out-of-local-distribution setting (spec 000 §4.4): (val, test) pairs are shuffled among the
-    clients, each keeping its train split. The paper's code uses a plain permutation (a client may keep its
-    own pair); a derangement is used here so every client targets another client's data."""
+    """FedFomo's out-of-local-distribution setting (Zhang et al., 2021, §4): (val, test) pairs are shuffled
+    among the clients, each keeping its train split. The authors' code uses a plain permutation (a client may
+    keep its own pair); a derangement is used here so every client targets another client's data."""
     k = len(clients)
     while True:
         perm = rng.permutation(k)

@@ -13,8 +13,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from rayfl.config import Config, UserError
+from typing import TYPE_CHECKING
 
+from rayfl.user_input import UserError
+
+if TYPE_CHECKING:
+    from rayfl.config import Config
+
+PARTITIONS = ("iid", "pathological", "dirichlet", "latent", "majority", "label-groups", "rotation",
+              "permutation", "natural")
 MIN_CLIENT_SAMPLES = 10  # PersFL DS-3 / pFedMe: every client gets at least ~10 samples
 
 
@@ -79,6 +86,14 @@ def _least_used(usage: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarr
 
 # --------------------------------------------------------------------------------------------- partitions
 
+def natural(pool, client) -> list[np.ndarray]:
+    """The data's own owners (LEAF's writers, a hospital's patients): client i holds the samples of the i-th
+    distinct id of the client column, in sorted order, each in the dataset's order."""
+    ids, owner = np.unique(client[pool], return_inverse=True)
+    order = np.argsort(owner, kind="stable")
+    return np.split(pool[order], np.cumsum(np.bincount(owner, minlength=len(ids)))[:-1])
+
+
 def iid(cfg, pool, y, weights, rng):
     return _split_by_weights(rng.permutation(pool), weights), None
 
@@ -139,8 +154,8 @@ def dirichlet(cfg, pool, y, weights, rng, num_classes, alpha: float | None = Non
 
 
 def latent(cfg, pool, y, weights, rng, x):
-    """FedFomo's latent distributions (spec 000 §4.3): embed, PCA, k-means into cfg.groups clusters, clients
-    assigned to clusters in blocks, each cluster fully divided among its clients. There is no pretrained VGG
+    """FedFomo's latent distributions (Zhang et al., 2021, App. A.5): embed, PCA, k-means into cfg.groups
+    clusters, clients assigned to clusters in blocks, each cluster fully divided among its clients. There is no pretrained VGG
     offline, so the embedding is PCA (up to 50 components) of the raw standardized pixels/features. Clusters
     are numbered by their centroid's first principal coordinate, so for 1-D data (the sine toy) group g is the
     g-th interval of x from the left."""
@@ -176,8 +191,8 @@ def _fill_groups(pool, pool_group, group_of, weights, rng) -> list[np.ndarray]:
 
 
 def majority(cfg, pool, y, weights, rng, num_classes):
-    """FedMoE's majority-class skew (spec 001 §7.1): each client has two majority classes that together
-    take fraction cfg.majority of its samples (p/2 each), the rest spread evenly over the other classes;
+    """FedMoE's majority-class skew (Listo Zec et al., 2020, §4): each client has two majority classes that
+    together take fraction cfg.majority of its samples (p/2 each), the rest spread evenly over the other classes;
     p = 2/C is iid. The pair is two distinct classes (the paper says "two majority classes"; its code's
     ordered pairs also allow (c, c)), dealt largest client first to the classes with the least demand so
     far. Where a class is over-demanded, the clients holding it as majority shrink (then all clients, if
@@ -228,9 +243,9 @@ def majority(cfg, pool, y, weights, rng, num_classes):
 
 
 def label_groups(cfg, pool, y, weights, rng, num_classes):
-    """FedeRiCo (spec 002 §5.1): the classes are shuffled and cut into cfg.groups disjoint near-equal label
-    groups; clients are assigned to groups at random (the paper; ``group_assign=blocks``: even blocks) and
-    draw disjoint shares of their group's data."""
+    """FedeRiCo's label groups (Sui et al., 2022, §4.1): the classes are shuffled and cut into cfg.groups
+    disjoint near-equal label groups; clients are assigned to groups at random (the paper;
+    ``group_assign=blocks``: even blocks) and draw disjoint shares of their group's data."""
     _check_groups(cfg, num_classes, f"label groups: the dataset has {num_classes} classes")
     label_group = np.empty(num_classes, dtype=np.int64)
     for g, classes in enumerate(np.array_split(rng.permutation(num_classes), cfg.groups)):
@@ -240,7 +255,7 @@ def label_groups(cfg, pool, y, weights, rng, num_classes):
 
 
 def grouped(cfg, pool, y, weights, rng, num_classes, limit=None, what=""):
-    """Clients in cfg.groups groups (rotation / permutation, user-centric spec 003 §S2/S3), each group's
+    """Clients in cfg.groups groups (rotation / permutation: Mestoukirdi et al., 2021, §IV-A), each group's
     transform applied by the federation. The data is IID, or with ``label_shift`` = α > 0 split by
     Dirichlet(α) over labels as well (S2: "each with a different label distribution, as in S1", α = 0.4)."""
     _check_groups(cfg, limit, what)

@@ -1,4 +1,5 @@
-"""The ``rayfl tune`` command: its parser, :func:`cmd_tune`, running the Tuner, and the end of a sweep.
+"""The ``rayfl tune`` command: its parser, :func:`cmd_tune`, and :func:`run_sweep`, which runs a sweep's
+:class:`SweepSettings` (``rayfl tune`` and :func:`rayfl.tune` both call it): the Tuner, and the end of a sweep.
 
 MLflow: the sweep process creates the parent run; every trial's driver opens a child run with
 ``parent_run_id``; at the end the parent gets the results table (CSV) and a plot of the metric against each
@@ -12,13 +13,17 @@ import json
 import os
 import sys
 import time
-from typing import Any
+from dataclasses import dataclass, field
 
 import yaml
 
 from rayfl.config import FIELDS, UserError, make_config, read_yaml
+from rayfl.flags import add_config_arguments, parse_params
+from rayfl.progress import ConsoleProgress, summary_table
+from rayfl.session import check_address, check_tracking_store, open_experiment, shutdown_ray, start_ray
 from rayfl.sweep.placement import _bundles_for, _pg_factory, bundle_total
 from rayfl.sweep.progress import _progress_callback
+from rayfl.sweep.search import _search_alg, _search_space, selectable_metrics
 from rayfl.sweep.space import Plan, Space, find_space_file, load_space, plan_sweep, validate_space
 from rayfl.sweep.trial import run_trial
 
@@ -27,10 +32,35 @@ SCHEDULERS = ("fifo", "asha")
 SWEEP_FILE = "rayfl_sweep.json"
 
 
+@dataclass
+class SweepSettings:
+    """A sweep as ``rayfl tune`` (once its flags are parsed) and :func:`rayfl.tune` ask for it: the experiment
+    (a config file, config keys over it, algorithm knobs), the sweep's own settings, and where it runs."""
+
+    config: str | None = None  # a YAML file of config keys
+    values: dict = field(default_factory=dict)  # config keys given, over the file's
+    params: dict = field(default_factory=dict)  # algorithm knobs given, over the file's
+    space: str | None = None  # a space file; None: tune_spaces/<algo>.yaml
+    search: str = "grid"
+    num_samples: int | None = None
+    max_concurrent: int | None = None
+    scheduler: str = "fifo"
+    grace_period: int | None = None
+    metric: str | None = None
+    mode: str | None = None
+    name: str | None = None
+    storage_path: str | None = None
+    stage_reuse: bool = True
+    resume: str | None = None  # a sweep directory to go on with
+    address: str | None = None
+    quiet: bool = False
+    call: str | None = None  # the API call that started it (None: the command line), for the MLflow tags
+
+
 # --------------------------------------------------------------------------------------------------
 # The command
 # --------------------------------------------------------------------------------------------------
-def add_tune_parser(subparsers, add_config_arguments) -> None:
+def add_tune_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "tune", help="sweep an algorithm's hyperparameters with Ray Tune",
         description="A Ray Tune sweep over tune_spaces/<algo>.yaml (or --space FILE); flags fix the rest of the "
@@ -58,7 +88,10 @@ def add_tune_parser(subparsers, add_config_arguments) -> None:
     g.add_argument("--name", help="sweep name (default: <algo>-sweep-<time>)")
     g.add_argument("--storage-path", metavar="DIR",
                    help="where Tune keeps the sweep (default: <out-dir>/tune); shared storage on multi-node clusters")
-    g.add_argument("--resume", metavar="DIR", help="go on with an interrupted sweep (its directory)")
+    g.add_argument("--resume", metavar="DIR",
+                   help="go on with an interrupted sweep (its directory), from rayfl's own records there (Tune's "
+                        "state files are never read); --tracking-uri / --stage-cache say where it writes when the "
+                        "recorded ones lie outside DIR")
     g.add_argument("--no-stage-reuse", action="store_true",
                    help="compute every stage in every trial (default: trials that agree up to a stage share it, "
                         "e.g. PersFL's FedAvg stage across (lam, T); see --stage-cache)")
@@ -67,22 +100,9 @@ def add_tune_parser(subparsers, add_config_arguments) -> None:
     p.set_defaults(handler=cmd_tune)
 
 
-def _arg_values(args) -> tuple[dict, dict, dict]:
-    from rayfl.cli import parse_params
-
-    file_values = read_yaml(args.config) if args.config else {}
-    flag_values = {k: v for k, v in vars(args).items() if k in FIELDS and k != "params"}
-    # ``params``: a dict of knobs from the Python API (rayfl.tune), beside the -p KEY=VALUE flags
-    return file_values, flag_values, {**parse_params(args.param), **(getattr(args, "params", None) or {})}
-
-
-STATS = ("mean", "weighted_mean", "std", "worst", "bottom10_mean")  # rayfl.metrics.summarize
-
-
-def selectable_metrics(task: str) -> list[str]:
-    """The per-round metrics a sweep may optimize: validation summaries (and the training loss)."""
-    kinds = ("loss",) if task == "regression" else ("acc", "loss")
-    return [f"val_{k}_{s}" for k in kinds for s in STATS] + ["train_loss"]
+def _arg_values(s: SweepSettings) -> tuple[dict, dict, dict]:
+    """The config file's keys, the keys given over it, the knobs given over it."""
+    return (read_yaml(s.config) if s.config else {}), dict(s.values), dict(s.params)
 
 
 def _default_metric(task: str, metric: str | None, mode: str | None, val_frac: float = 0.2) -> tuple[str, str]:
@@ -96,40 +116,6 @@ def _default_metric(task: str, metric: str | None, mode: str | None, val_frac: f
     if metric.startswith("val_") and not val_frac > 0:
         raise UserError(f"--metric {metric}: needs a validation split (val_frac={val_frac}; give it a value > 0)")
     return metric, mode or ("min" if "loss" in metric else "max")
-
-
-def _search_space(plan: Plan, search: str) -> dict:
-    from ray import tune
-
-    space: dict[str, Any] = {}
-    for key, values in plan.space.grid.items():
-        space[key] = tune.grid_search(values) if search == "grid" else tune.choice(values)
-    for key, (kind, args) in plan.space.random.items():
-        if kind == "choice":
-            space[key] = tune.choice(list(args))
-        elif kind == "randint":
-            space[key] = tune.randint(int(args[0]), int(args[1]) + 1)
-        elif kind == "quniform":
-            space[key] = tune.quniform(*args)
-        else:
-            space[key] = getattr(tune, kind)(*args)
-    return space
-
-
-def _search_alg(search: str, seed: int, max_concurrent: int, metric: str, mode: str):
-    from ray.tune.search import ConcurrencyLimiter
-    from ray.tune.search.basic_variant import BasicVariantGenerator
-
-    if search == "optuna":
-        try:
-            import optuna  # noqa: F401
-        except ImportError:
-            raise UserError("--search optuna: optuna is not installed (`pip install optuna`; it then runs "
-                            "offline). Without it: --search grid or --search random") from None
-        from ray.tune.search.optuna import OptunaSearch
-
-        return ConcurrencyLimiter(OptunaSearch(seed=seed), max_concurrent=max_concurrent)
-    return BasicVariantGenerator(random_state=seed, max_concurrent=max_concurrent)
 
 
 def _scheduler(kind: str, metric: str, mode: str, grace: int):
@@ -215,16 +201,55 @@ def _parent_run(meta: dict):
 
 
 def cmd_tune(args) -> int:
-    """``rayfl tune``: the sweep runs through the Python API (:func:`rayfl.api.tune_args`)."""
-    from rayfl.api import SweepFailed, tune_args
-
+    """``rayfl tune``: the parsed flags as :class:`SweepSettings`, run by :func:`run_sweep` (as :func:`rayfl.tune`
+    runs them). 1: no trial reported the metric (the sweep has said so); 130: interrupted (it has said how to
+    resume)."""
+    settings = SweepSettings(
+        config=args.config, values={k: v for k, v in vars(args).items() if k in FIELDS and k != "params"},
+        params=parse_params(args.param), space=args.space, search=args.search, num_samples=args.num_samples,
+        max_concurrent=args.max_concurrent, scheduler=args.scheduler, grace_period=args.grace_period,
+        metric=args.metric, mode=args.mode, name=args.name, storage_path=args.storage_path,
+        stage_reuse=not args.no_stage_reuse, resume=args.resume, address=args.address, quiet=args.quiet)
     try:
-        tune_args(args)
-    except SweepFailed:  # no trial reported the metric: the sweep has said so
-        return 1
-    except KeyboardInterrupt:  # the sweep has printed how to resume
+        return run_sweep(settings)[1]
+    except KeyboardInterrupt:
         return 130
-    return 0
+
+
+def run_sweep(s: SweepSettings) -> tuple[dict, int]:
+    """A sweep: checks, Ray (started here unless this process is connected), Tune, the results. Returns the
+    sweep's record (``rayfl_sweep.json``'s content) and 0, 1 when no trial reported the metric, or 130 when it
+    was interrupted (resumable)."""
+    os.environ.setdefault("RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS", "0")
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+    # Ctrl-C reaches us as KeyboardInterrupt (Tune's own handler would end fit() as if the sweep were done);
+    # rayfl's trial records and checkpoints are on disk by then, and --resume goes on from them.
+    os.environ.setdefault("TUNE_DISABLE_SIGINT_HANDLER", "1")
+    check_address(s.address)
+    if s.resume:
+        where = ("--tracking-uri", "--stage-cache")  # where the resume writes may be said again
+        extra = [f for f in _flags_given(s) if f not in where]
+        if extra:
+            raise UserError(f"--resume {s.resume!r} with {extra[0]}: a resumed sweep keeps its saved settings; "
+                            f"give only --resume DIR (and --tracking-uri, --stage-cache, --address, --quiet)")
+        meta = resume_meta(s)
+    else:
+        meta = _new_sweep(s)
+    started = start_ray(s.address, (lambda event: None) if s.quiet else ConsoleProgress())
+    try:
+        code = _run(meta, s.quiet, resume=bool(s.resume))
+    finally:
+        if started:
+            shutdown_ray()
+    return meta, code
+
+
+def _flags_given(s: SweepSettings) -> list[str]:
+    """The flags that set something in ``s`` (config keys, knobs, the config file, then the sweep's own)."""
+    given = [f"--{k.replace('_', '-')}" for k in s.values] + (["--param"] if s.params else []) + (
+        ["--config"] if s.config else [])
+    return given + [f"--{k.replace('_', '-')}" for k in SWEEP_FLAGS
+                    if (not s.stage_reuse if k == "no_stage_reuse" else getattr(s, k))]
 
 
 # `rayfl tune` flags that only a new sweep takes (a resumed one keeps what it was started with).
@@ -233,33 +258,44 @@ SWEEP_FLAGS = ("space", "num_samples", "max_concurrent", "grace_period", "metric
 
 
 def _load_meta(sweep_dir: str) -> dict:
-    path = os.path.join(sweep_dir, SWEEP_FILE)
-    if not os.path.isfile(path):
-        raise UserError(f"--resume {sweep_dir!r}: no {SWEEP_FILE} there (not a rayfl sweep directory)")
-    try:
-        with open(path, encoding="utf-8") as f:
-            meta = json.load(f)
-    except (OSError, ValueError) as e:  # ValueError: bad JSON or not UTF-8
-        raise UserError(f"--resume {sweep_dir!r}: {SWEEP_FILE} cannot be read ({str(e).splitlines()[0]})") from None
-    missing = [k for k in ("name", "algo", "base", "space", "space_path", "metric", "mode", "parent_run_id",
-                           "tracking_uri", "experiment_id", "storage") if not isinstance(meta, dict) or k not in meta]
-    if missing:
-        raise UserError(f"--resume {sweep_dir!r}: {SWEEP_FILE} lacks {missing[0]!r} (not written by rayfl tune, "
-                        f"or the sweep never started)")
-    meta["sweep_dir"] = os.path.abspath(sweep_dir)
-    return meta
+    """A sweep to resume: its ``rayfl_sweep.json``, checked (:func:`rayfl.sweep.resume.load_meta`)."""
+    from rayfl.sweep.resume import load_meta
+
+    return load_meta(sweep_dir)
 
 
-def _new_sweep(args) -> dict:
+def resume_meta(s: SweepSettings) -> dict:
+    """Everything a resume needs, checked before Ray starts (:func:`rayfl.sweep.resume.prepare_resume`)."""
+    from rayfl.sweep.resume import prepare_resume
+
+    return prepare_resume(s.resume, s.values.get("tracking_uri"), s.values.get("stage_cache"))
+
+
+def check_name(name, flag: str = "--name") -> None:
+    """A sweep's name is its directory's name under the storage path."""
+    if not isinstance(name, str) or not name.strip() or "/" in name or "\\" in name or name in (".", ".."):
+        raise UserError(f"{flag}={name!r}: must be a directory name (no '/'), e.g. persfl-lam")
+
+
+def check_counts(values: dict, style: str = "flag") -> None:
+    """``num_samples``, ``max_concurrent``, ``grace_period``: None (the default) or an integer >= 1."""
+    for key, value in values.items():
+        shown = f"--{key.replace('_', '-')}" if style == "flag" else key
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise UserError(f"{shown}={value!r}: must be an integer >= 1 (leave it out for the default)")
+
+
+def _new_sweep(s: SweepSettings) -> dict:
     """Everything decided and checked before Ray starts: values, space, metric, resources, MLflow parent."""
-    from rayfl.cli import open_experiment
     from rayfl.experiment import prepare
     from rayfl.provenance import origin
     from rayfl.tracking import resolve_tracking_uri
 
-    file_values, flag_values, flag_params = _arg_values(args)
+    file_values, flag_values, flag_params = _arg_values(s)
     algo = flag_values.get("algo") or file_values.get("algo")
-    space_path = args.space or find_space_file(algo or FIELDS["algo"].default)
+    space_path = s.space or find_space_file(algo or FIELDS["algo"].default)
     space = load_space(space_path)
     plan = plan_sweep(space, file_values, flag_values, flag_params)
     n_grid = validate_space(plan)
@@ -268,24 +304,22 @@ def _new_sweep(args) -> dict:
     if plan.base.get("data_root"):  # trials run in their own directories: relative paths would break there
         plan.base["data_root"] = os.path.abspath(os.path.expanduser(plan.base["data_root"]))
     base_cfg = plan.config({})
-    for flag in ("num_samples", "max_concurrent", "grace_period"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            raise UserError(f"--{flag.replace('_', '-')}={value}: must be an integer >= 1 (leave it out for the default)")
+    check_counts({flag: getattr(s, flag) for flag in ("num_samples", "max_concurrent", "grace_period")})
     prepared = prepare(base_cfg)  # data errors (a missing data root, ...) before any trial; gives the task
-    metric, mode = _default_metric(prepared.info.task, args.metric, args.mode, base_cfg.val_frac)
-    search = args.search
-    num_samples = args.num_samples or (1 if search == "grid" else 10)
+    uri = resolve_tracking_uri(base_cfg.tracking_uri)
+    check_tracking_store(uri, base_cfg.experiment)  # a silent server: one line now, not MLflow's minutes of retries
+    metric, mode = _default_metric(prepared.info.task, s.metric, s.mode, base_cfg.val_frac)
+    search = s.search
+    num_samples = s.num_samples or (1 if search == "grid" else 10)
     n_trials = n_grid * num_samples if search == "grid" else num_samples
     if search == "optuna":
         _search_alg("optuna", 0, 1, metric, mode)  # fails here, before anything starts, if optuna is missing
-    name = args.name or f"{plan.algo}-sweep-{time.strftime('%Y%m%d-%H%M%S')}"
-    storage = os.path.abspath(args.storage_path or os.path.join(base_cfg.out_dir, "tune"))
+    name = s.name or f"{plan.algo}-sweep-{time.strftime('%Y%m%d-%H%M%S')}"
+    check_name(name)
+    storage = os.path.abspath(s.storage_path or os.path.join(base_cfg.out_dir, "tune"))
     sweep_dir = os.path.join(storage, name)
     if os.path.exists(os.path.join(sweep_dir, SWEEP_FILE)):
         raise UserError(f"sweep {sweep_dir} exists; resume it with --resume {sweep_dir}, or pick another --name")
-    if "/" in name or name in (".", ".."):
-        raise UserError(f"--name={name!r}: must be a name without '/'")
     try:
         os.makedirs(storage, exist_ok=True)
         if not os.access(storage, os.W_OK | os.X_OK):
@@ -293,18 +327,17 @@ def _new_sweep(args) -> dict:
     except OSError as e:
         raise UserError(f"--storage-path={storage!r}: cannot write there ({e.strerror or e}); give a writable "
                         f"directory (or --out-dir)") from None
-    uri = resolve_tracking_uri(base_cfg.tracking_uri)
     experiment_id = open_experiment(uri, base_cfg.experiment)
-    stage_cache = "" if args.no_stage_reuse else os.path.abspath(os.path.expanduser(
+    stage_cache = "" if not s.stage_reuse else os.path.abspath(os.path.expanduser(
         base_cfg.stage_cache or os.path.join(sweep_dir, "stages")))
     return {"name": name, "storage": storage, "sweep_dir": sweep_dir, "algo": plan.algo, "base": plan.base,
             "space": plan.space.to_dict(), "space_path": os.path.abspath(space_path), "swept": plan.space.swept(),
             "knobs": plan.knobs, "metric": metric, "mode": mode, "search": search, "num_samples": num_samples,
-            "n_trials": n_trials, "max_concurrent": args.max_concurrent, "scheduler": args.scheduler,
-            "grace_period": args.grace_period or max(1, base_cfg.rounds // 4), "seed": base_cfg.seed,
+            "n_trials": n_trials, "max_concurrent": s.max_concurrent, "scheduler": s.scheduler,
+            "grace_period": s.grace_period or max(1, base_cfg.rounds // 4), "seed": base_cfg.seed,
             "tracking_uri": uri, "experiment": base_cfg.experiment,
             "experiment_id": experiment_id, "stage_cache": stage_cache,
-            "provenance": origin(getattr(args, "call", None)), "parent_run_id": None}
+            "provenance": origin(s.call), "parent_run_id": None}
 
 
 def _plan_from_meta(meta: dict) -> Plan:
@@ -323,7 +356,7 @@ def _default_concurrency(meta: dict, cluster: dict) -> int:
     return max(1, min(meta["n_trials"], slots(make_config(None, meta["base"]), cluster)))
 
 
-def _run(meta: dict, args, resume: bool) -> int:
+def _run(meta: dict, quiet: bool, resume: bool) -> int:
     import ray
     from mlflow.entities import Param
     from ray import tune
@@ -335,7 +368,7 @@ def _run(meta: dict, args, resume: bool) -> int:
         if meta["max_concurrent"] < 1:
             raise UserError(f"--max-concurrent {meta['max_concurrent']}: must be >= 1")
         meta["share"] = {k: v / meta["max_concurrent"] for k, v in cluster.items()}
-    share, plan = meta["share"], _plan_from_meta(meta)
+    share, plan = meta["share"], meta.get("plan") or _plan_from_meta(meta)
     base_bundles = _bundles_for({}, meta["base"], share)
     need = bundle_total(base_bundles)
     if any(need.get(k, 0.0) > cluster.get(k, 0.0) + 1e-9 for k in need):
@@ -380,35 +413,51 @@ def _run(meta: dict, args, resume: bool) -> int:
     print(f"rayfl tune: sweep directory {meta['sweep_dir']} (resume with --resume {meta['sweep_dir']}); "
           f"MLflow parent run {meta['parent_run_id']}", flush=True)
 
+    from rayfl.sweep.records import ledger_callback, read_records, write_records
+
+    if resume:
+        from rayfl.sweep.resume import left_over, listed_searcher, optuna_after
+
+        records = meta["records"]
+        configs, n_more = left_over(meta, records)  # from rayfl's records; Tune's state files are never read
+        search_alg = listed_searcher(configs, meta["metric"], meta["mode"],
+                                     then=optuna_after(meta, records) if n_more else None)
+        num_samples, param_space = len(configs) + n_more, {}
+        kept = sum(1 for rec in records.values() if rec["status"] in ("DONE", "STOPPED"))
+        print(f"rayfl tune: resuming: {kept} trial(s) finished (kept), "
+              f"{sum(1 for c in configs if 'rayfl_trial' in c)} go on from their checkpoints, "
+              f"{num_samples - sum(1 for c in configs if 'rayfl_trial' in c)} not started yet", flush=True)
+    else:
+        records, kept = {}, 0
+        write_records(meta["sweep_dir"], records)
+        search_alg = _search_alg(meta["search"], meta["seed"], meta["max_concurrent"], meta["metric"], meta["mode"])
+        num_samples, param_space = meta["num_samples"], _search_space(plan, meta["search"])
+
     ctx = {k: meta.get(k) for k in ("base", "name", "metric", "swept", "tracking_uri", "experiment_id",
                                  "parent_run_id", "stage_cache", "sweep_dir", "provenance")}
+    from rayfl.plugins import carried
+
+    ctx["plugins"] = carried()  # registered in each trial's process as its ctx arrives (a plugin's algorithm)
     trainable = tune.with_resources(tune.with_parameters(run_trial, ctx=ctx),
                                     functools.partial(_pg_factory, base=meta["base"], share=share))
-    progress = _progress_callback(meta["metric"], meta["swept"], args.quiet, meta["n_trials"])
-    run_config = tune.RunConfig(name=meta["name"], storage_path=meta["storage"], verbose=0, callbacks=[progress],
+    progress = _progress_callback(meta["metric"], meta["swept"], quiet, meta["n_trials"], already=kept)
+    run_config = tune.RunConfig(name=meta.get("run_name", meta["name"]), storage_path=meta["storage"], verbose=0,
+                                callbacks=[progress, ledger_callback(meta["sweep_dir"], records)],
                                 # a trial whose own process died is retried, from its own checkpoint
                                 failure_config=tune.FailureConfig(max_failures=int(meta["base"].get("max_restarts", 3))))
     status = "FAILED"
     try:
-        if resume:
-            # resume_errored, not restart_errored: a restarted trial would get a new trial id, hence a new
-            # checkpoint directory (sweep_dir/trials/<id>), and start again from round 1.
-            tuner = tune.Tuner.restore(meta["sweep_dir"], trainable, resume_unfinished=True, resume_errored=True,
-                                       param_space=_search_space(plan, meta["search"]))
-        else:
+        if num_samples:  # a fresh Tuner, resumed or not: never Tuner.restore (it unpickles the sweep's files)
             tuner = tune.Tuner(
-                trainable, param_space=_search_space(plan, meta["search"]),
+                trainable, param_space=param_space,
                 tune_config=tune.TuneConfig(
-                    metric=meta["metric"], mode=meta["mode"],
-                    num_samples=meta["num_samples"],
-                    search_alg=_search_alg(meta["search"], meta["seed"], meta["max_concurrent"], meta["metric"],
-                                           meta["mode"]),
+                    metric=meta["metric"], mode=meta["mode"], num_samples=num_samples, search_alg=search_alg,
                     scheduler=_scheduler(meta["scheduler"], meta["metric"], meta["mode"], meta["grace_period"]),
                     max_concurrent_trials=meta["max_concurrent"],
                     reuse_actors=True),  # an in-process trial's process, imports and data cache serve the next
                 run_config=run_config)
-        results = tuner.fit()
-        code = _finish(meta, results, client)
+            tuner.fit()
+        code = _finish(meta, read_records(meta["sweep_dir"], meta["swept"]), client)
         status = "FINISHED" if code == 0 else "FAILED"
         return code
     except KeyboardInterrupt:
@@ -440,21 +489,22 @@ def _close_children(client, meta: dict) -> None:
             client.set_terminated(run.info.run_id, "KILLED")
 
 
-def results_table(results, meta: dict):
-    """One row per trial: status, swept values, rounds done, the last reported metrics, its MLflow run."""
+def results_table(records: dict, meta: dict):
+    """One row per trial (``records``: :mod:`rayfl.sweep.records`, every trial of the sweep, resumed or not):
+    its key, swept values, status, rounds done, the last reported metrics, its MLflow run; best first."""
     import pandas as pd
 
     rows = []
     metric = meta["metric"]
-    for r in results:
-        m = r.metrics or {}
-        row = {"trial": m.get("trial_id") or os.path.basename(str(r.path))}
-        row.update({k: (r.config or {}).get(k) for k in meta["swept"]})
-        row["status"] = "ERROR" if r.error else ("DONE" if m.get("mlflow_run_id") else "STOPPED")
+    for key, rec in records.items():
+        m = rec.get("result") or {}
+        row = {"trial": key}
+        row.update({k: rec["config"].get(k) for k in meta["swept"]})
+        row["status"] = rec["status"]
         row["rounds"] = m.get("round")
-        for key in (metric, "val_acc_mean", "val_loss_mean", "test_acc_mean", "test_acc_std", "test_loss_mean"):
-            if key in m and key not in row:
-                row[key] = m[key]
+        for k in (metric, "val_acc_mean", "val_loss_mean", "test_acc_mean", "test_acc_std", "test_loss_mean"):
+            if k in m and k not in row:
+                row[k] = m[k]
         row["seconds"] = m.get("trial_seconds", m.get("time_total_s"))
         row["mlflow_run_id"] = m.get("mlflow_run_id")
         rows.append(row)
@@ -464,13 +514,20 @@ def results_table(results, meta: dict):
     return df.reset_index(drop=True)
 
 
-def _finish(meta: dict, results, client) -> int:
+def best_record(records: dict, meta: dict) -> dict | None:
+    """The trial with the best final metric among those that did not fail (as Tune's ``scope="last"``)."""
+    metric, sign = meta["metric"], (1 if meta["mode"] == "max" else -1)
+    scored = [rec for rec in records.values() if rec["status"] != "ERROR"
+              and isinstance(rec["result"].get(metric), (int, float))]
+    return max(scored, key=lambda rec: sign * rec["result"][metric]) if scored else None
+
+
+def _finish(meta: dict, records: dict, client) -> int:
     import pandas as pd
 
-    from rayfl.cli import summary_table
     from rayfl.plots import grid_heatmap, metric_vs_knob
 
-    df = results_table(results, meta)
+    df = results_table(records, meta)
     meta["stopped_trials"] = list(df.trial[df.status == "STOPPED"]) if len(df) else []
     run_id, metric = meta["parent_run_id"], meta["metric"]
     path = os.path.join(meta["sweep_dir"], "results.csv")
@@ -488,33 +545,32 @@ def _finish(meta: dict, results, client) -> int:
         if len(meta["swept"]) == len(numeric_knobs) == 2 and on_grid and df[metric].notna().any():
             y, x = meta["swept"]  # the first knob down the rows (PersFL: λ rows, T columns)
             client.log_figure(run_id, grid_heatmap(df, x, y, metric, meta["mode"]), f"plots/{metric}_{y}_x_{x}.png")
-    errors = int(sum(1 for r in results if r.error))
+    errors = sum(1 for rec in records.values() if rec["status"] == "ERROR")
     with pd.option_context("display.width", 200, "display.max_columns", 30):
         print("\nsweep results (" + ("best first" if metric in df else "no trial reported the metric") + "):")
-        print(df.drop(columns=["mlflow_run_id"]).to_string(index=False, float_format=lambda v: f"{v:.4f}"))
-    try:
-        best = results.get_best_result(metric=metric, mode=meta["mode"], scope="last")
-    except RuntimeError:
-        best = None
-    if best is None or not best.metrics or metric not in best.metrics:
+        shown = df.drop(columns=["mlflow_run_id"], errors="ignore")
+        print(shown.to_string(index=False, float_format=lambda v: f"{v:.4f}"))
+    best = best_record(records, meta)
+    if best is None:
         print(f"\nrayfl tune: no trial reported {metric}; {errors} trial(s) failed", file=sys.stderr)
         return 1
-    chosen = {k: best.config.get(k) for k in meta["swept"]}
-    client.log_dict(run_id, {"best": chosen, metric: best.metrics[metric],
-                             "mlflow_run_id": best.metrics.get("mlflow_run_id")}, "best.json")
-    client.log_metric(run_id, f"best_{metric}", float(best.metrics[metric]))
+    best_metrics = best["result"]
+    chosen = {k: best["config"].get(k) for k in meta["swept"]}
+    client.log_dict(run_id, {"best": chosen, metric: best_metrics[metric],
+                             "mlflow_run_id": best_metrics.get("mlflow_run_id")}, "best.json")
+    client.log_metric(run_id, f"best_{metric}", float(best_metrics[metric]))
     for k, v in chosen.items():
         client.set_tag(run_id, f"best.{k}", str(v))
-    best_run = best.metrics.get("mlflow_run_id")
+    best_run = best_metrics.get("mlflow_run_id")
     try:
         best_run = (best_run, client.get_run(best_run).info.run_name) if best_run else None
     except Exception:  # noqa: BLE001 - the description links it when it can
         best_run = None
     client.set_tag(run_id, "mlflow.note.content",
-                   sweep_markdown(meta, df, {**chosen, metric: best.metrics[metric]}, best_run))
-    print(f"\nbest ({metric} {best.metrics[metric]:.4f}, final round): "
+                   sweep_markdown(meta, df, {**chosen, metric: best_metrics[metric]}, best_run))
+    print(f"\nbest ({metric} {best_metrics[metric]:.4f}, final round): "
           + ", ".join(f"{k}={v}" for k, v in chosen.items()))
-    print(summary_table(best.metrics))
+    print(summary_table(best_metrics))
     print(f"\nMLflow: parent run {run_id} in experiment {meta['experiment']!r} at {meta['tracking_uri']}, "
           f"{len(df)} child run(s)")
     from rayfl.progress import mlflow_hint

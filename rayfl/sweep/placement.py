@@ -45,7 +45,9 @@ def in_process(cfg, share: dict) -> bool:
 
 
 def _bundles_for(config: dict, base: dict, share: dict) -> list[dict]:
-    return trial_bundles(make_config(None, trial_values(base, config)), share)
+    from rayfl.sweep.records import sampled
+
+    return trial_bundles(make_config(None, trial_values(base, sampled(config))), share)
 
 
 def _pg_factory(config: dict, base: dict, share: dict):

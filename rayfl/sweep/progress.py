@@ -26,8 +26,11 @@ def eta_line(done: int, total: int, ended_here: int, elapsed: float) -> str:
     return f"{done}/{total} done, elapsed {format_seconds(elapsed)}{left}"
 
 
-def _progress_callback(metric: str, swept: list[str], quiet: bool, total: int = 0, write=None):
+def _progress_callback(metric: str, swept: list[str], quiet: bool, total: int = 0, write=None, already: int = 0):
+    """``already``: trials a resumed sweep had finished before (counted as done, never run again)."""
     from ray import tune
+
+    from rayfl.sweep.records import trial_key
 
     say = write or (lambda line: print(line, flush=True))
 
@@ -41,27 +44,36 @@ def _progress_callback(metric: str, swept: list[str], quiet: bool, total: int = 
         def _label(self, trial) -> str:
             return ",".join(f"{k}={trial.config.get(k)}" for k in swept)
 
+        @staticmethod
+        def _key(trial) -> str:  # a continued trial goes by the key it was first run under
+            return trial_key(trial.config, trial.trial_id)
+
         def on_trial_start(self, iteration, trials, trial, **info):
-            say(f"trial {trial.trial_id} started: {self._label(trial)}")
+            go_on = " (goes on from its checkpoint)" if self._key(trial) != trial.trial_id else ""
+            say(f"trial {self._key(trial)} started: {self._label(trial)}{go_on}")
+
+        def on_trial_recover(self, iteration, trials, trial, **info):
+            say(f"trial {self._key(trial)} lost its process; retried ({trial.num_failures} so far), going on from "
+                f"its last checkpoint ({self._label(trial)})")
 
         def on_trial_result(self, iteration, trials, trial, result, **info):
             reused = result.get("reused_rounds")
             if reused and trial.trial_id not in self.reuse_told:
                 self.reuse_told.add(trial.trial_id)
-                say(f"trial {trial.trial_id} reuses rounds 1-{int(reused)}: a shared stage another trial "
+                say(f"trial {self._key(trial)} reuses rounds 1-{int(reused)}: a shared stage another trial "
                     f"computed ({self._label(trial)})")
             if quiet:
                 return
             value = result.get(metric)
             shown = f"{value:.4f}" if isinstance(value, (int, float)) else "-"
-            say(f"trial {trial.trial_id} round {result.get('round', '?')}/{result.get('total_rounds', '?')} "
+            say(f"trial {self._key(trial)} round {result.get('round', '?')}/{result.get('total_rounds', '?')} "
                 f"[{result.get('stage', '')}] {metric} {shown}")
 
         def _ended(self, trials, trial, what: str) -> None:
             self.ended += 1
-            done, n = finished_count(trials, trial, total)
-            say(f"rayfl tune: {eta_line(done, n, self.ended, time.monotonic() - self.t0)} "
-                f"(trial {trial.trial_id} {what})")
+            done, n = finished_count(trials, trial, max(0, total - already))
+            say(f"rayfl tune: {eta_line(done + already, n + already, self.ended, time.monotonic() - self.t0)} "
+                f"(trial {self._key(trial)} {what})")
 
         def on_trial_complete(self, iteration, trials, trial, **info):
             value = (trial.last_result or {}).get(metric)

@@ -23,9 +23,6 @@ SECTIONS = ("fixed", "grid", "random")
 DISTRIBUTIONS = {"uniform": 2, "loguniform": 2, "quniform": 3, "randint": 2, "choice": None}
 # Config fields a space may not set: they name where things go, not what runs.
 NOT_IN_SPACE = {"params", "run_name", "experiment", "tracking_uri", "out_dir"}
-# A swept (or fixed) knob that only acts when another knob is set so: PersFL uses its single lam / T only
-# when its per-client grid over them is empty (otherwise every trial would run the whole grid inside).
-IMPLIES = {"persfl": {"lam": {"lam_grid": ()}, "T": {"T_grid": ()}}}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -191,6 +188,12 @@ def _algo_knobs(algo: str) -> list[str]:
         raise UserError(str(e.args[0])) from None
 
 
+def _implies(algo: str) -> dict:
+    from rayfl.algorithms import get_algorithm
+
+    return dict(get_algorithm(algo).implies)
+
+
 def _field_kind(key: str, algo: str):
     """The Python type of a Config field's or knob's default (int, float, str, bool, tuple, or None)."""
     if key in FIELDS:
@@ -230,7 +233,8 @@ def plan_sweep(space: Space, file_values: dict, flag_values: dict, flag_params: 
         else:
             params[key] = value
     base.update(flag_values)
-    for key, implied in IMPLIES.get(algo, {}).items():
+    # a knob the space sets that only acts when others are so (the algorithm declares it: Algorithm.implies)
+    for key, implied in _implies(algo).items():
         if key in space.grid or key in space.random or key in space.fixed:
             for k, v in implied.items():
                 params.setdefault(k, v)

@@ -13,6 +13,7 @@ import time
 
 from rayfl.config import FIELDS, make_config
 from rayfl.sweep.placement import bundle_total
+from rayfl.sweep.records import sampled, trial_key
 from rayfl.sweep.space import trial_values
 
 
@@ -39,7 +40,9 @@ def run_trial(config: dict, ctx: dict) -> None:
     from rayfl.loop import Loop
     from rayfl.tracking import numeric
 
-    trial_id = tune.get_context().get_trial_id()
+    # its key: the trial it continues (a resumed sweep), else its own id; it names its checkpoint directory
+    trial_id = trial_key(config, tune.get_context().get_trial_id())
+    config = sampled(config)
     values = trial_values(ctx["base"], config)
     values["stage_cache"] = ctx.get("stage_cache") or ""  # trials that agree up to a stage share it ("": off)
     if not values.get("checkpoint_every"):
@@ -92,7 +95,10 @@ def run_trial(config: dict, ctx: dict) -> None:
 
         tracking["partition"] = PartitionReport.of(prepared).to_dict()
         out = _launch_in_group(prepared, tracking, checkpoint_dir, on_round, pg)
-    final = state["held"] or {k: v for k, v in numeric(out["final"]).items()}
+    last = out["final"]  # a trial resumed at its last round reports no round: its final row says which
+    final = state["held"] or {**numeric(last), "round": int(last.get("step", -1)) + 1,
+                              "total_rounds": int(last.get("step", -1)) + 1, "stage": last.get("stage", ""),
+                              "evaluated": int("eval_seconds" in last), "reused_rounds": state["reused"]}
     final.update({"mlflow_run_id": out["run_id"], "trial_seconds": time.time() - t0, "rounds_run": state["rounds_run"],
                   "pg_id": pg.id.hex(), "trial_pid": os.getpid(), "trial_start": t0, "trial_end": time.time(),
                   "bundle_cpus": bundle_total(bundles).get("CPU", 0.0)})

@@ -1,0 +1,128 @@
+"""A checkpoint to resume from, checked before Ray starts against a fresh run of its config.
+
+A checkpoint is plain data (rayfl.snapshot), but it may have been edited by hand or cut short: a client's
+weights NaN, an array of the wrong shape, a key or a client missing, a step outside the run. Each is refused
+in one line naming the file and the field, instead of failing rounds later inside an actor. Nothing here
+names an algorithm: the server's state is compared with what a fresh Server of this config holds, and each
+client's with a fresh client of this federation (rayfl.snapshot.check_like), then loaded into them. A Server
+whose arrays change shape during a run names them in ``growing_state`` (checked by dtype and dimensions).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from rayfl.config import UserError
+
+
+def check_checkpoint(run_dir: str, prepared) -> None:
+    """UserError ``checkpoint=PATH: FIELD: problem`` for the first part of the checkpoint in ``run_dir`` that a
+    run of ``prepared`` could not go on from."""
+    from rayfl.loop import CHECKPOINT_FILE, Loop
+    from rayfl.snapshot import SnapshotError, check_like, loads
+
+    state = Loop.read_checkpoint(run_dir, prepared.cfg)  # readable, this version's and this config's
+    if state is None:
+        return
+    path = os.path.join(run_dir, CHECKPOINT_FILE)
+
+    def refuse(problem: str):
+        return UserError(f"checkpoint={path}: {problem}")
+
+    cfg = prepared.cfg
+    server = _fresh_server(prepared)
+    total = sum(stage.rounds for stage in server.stages())
+    step = state["step"]
+    if type(step) is not int or not 0 <= step < total:
+        raise refuse(f"step={str(step)[:40]}: must be a round index in [0, {total - 1}] (this run has {total} "
+                     f"rounds)")
+    for key in ("rng", "server_rng"):
+        try:
+            np.random.default_rng().bit_generator.state = state[key]
+        except (TypeError, ValueError, KeyError) as e:
+            raise refuse(f"{key}: not a random generator's state ({type(e).__name__}: {str(e)[:100]})") from None
+    for key, kind in (("history", list), ("setup_metrics", dict), ("dp_history", list)):
+        if key in state and not isinstance(state[key], kind):
+            raise refuse(f"{key}: a {type(state[key]).__name__}, expected a {kind.__name__}")
+    if not all(isinstance(rec, dict) for rec in state["history"]):
+        raise refuse("history: every round's record must be a mapping")
+    template = server.state_dict()
+    for name in getattr(server, "growing_state", ()):  # arrays a Server declares to change shape over a run
+        if isinstance(template.get(name), np.ndarray):
+            template[name] = np.empty((0,) * template[name].ndim, template[name].dtype)
+    try:
+        check_like(state["server"], template, "server")
+        server.load_state_dict(state["server"])
+    except SnapshotError as e:
+        raise refuse(str(e)) from None
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+        raise refuse(f"server: cannot be loaded ({type(e).__name__}: {str(e)[:100]})") from None
+
+    clients = state["clients"]
+    expected = set(range(cfg.clients))
+    if not isinstance(clients, dict) or set(clients) != expected:
+        have = set(clients) if isinstance(clients, dict) else set()
+        missing, extra = sorted(expected - have), sorted(map(str, have - expected))
+        raise refuse(f"clients: {'no client ' + str(missing[0]) if missing else 'client ' + extra[0]}"
+                     f"{'' if missing else ' is not one'} of this run's {cfg.clients} (0 to {cfg.clients - 1})")
+    host, restore = _fresh_host(prepared)
+    try:
+        fresh = host.state()
+        for cid in sorted(clients):
+            blob = clients[cid]
+            if not isinstance(blob, (bytes, bytearray)):
+                raise refuse(f"clients[{cid}]: a {type(blob).__name__}, expected a client's snapshot bytes")
+            try:
+                tree = loads(blob)
+                check_like(tree, loads(fresh[cid]), f"clients[{cid}]")
+                _check_weights(tree, prepared.initial, f"clients[{cid}].model")
+                host.load_state({cid: bytes(blob)})
+            except SnapshotError as e:
+                raise refuse(str(e)) from None
+            except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as e:
+                raise refuse(f"clients[{cid}]: cannot be loaded ({type(e).__name__}: {str(e)[:100]})") from None
+    finally:
+        restore()
+
+
+def _check_weights(tree, initial: np.ndarray, where: str) -> None:
+    """A client's own weights (None until it has any): the network's parameter vector, finite."""
+    from rayfl.snapshot import SnapshotError
+
+    w = tree.get("model") if isinstance(tree, dict) else None
+    if w is None:
+        return
+    if not isinstance(w, np.ndarray) or w.shape != initial.shape or w.dtype.kind != "f":
+        what = f"shape {w.shape} of {w.dtype}" if isinstance(w, np.ndarray) else f"a {type(w).__name__}"
+        raise SnapshotError(f"{where}: {what}, expected the network's {initial.size} weights {initial.shape}")
+    if not np.isfinite(w).all():
+        raise SnapshotError(f"{where}: holds NaN or infinite values")
+
+
+def _fresh_server(prepared):
+    """The algorithm's Server as a new run of this config starts it, in this process (handles are values)."""
+    algo = prepared.algorithm
+    return algo.Server(algo.make_params(prepared.cfg.params), prepared.info, lambda v: v, lambda hs: list(hs),
+                       np.random.default_rng(prepared.cfg.seed), prepared.initial)
+
+
+def _fresh_host(prepared):
+    """Every client as a new run starts it, on one host in this process, and how to undo the thread limits a
+    host sets for itself (this process goes on to start Ray)."""
+    import torch
+
+    from rayfl.host import ClientHost
+
+    threads = torch.get_num_threads()
+    fed = prepared.federation
+    host = ClientHost(prepared.cfg, prepared.algorithm, prepared.model_spec, prepared.info.task, prepared.dataset.x,
+                      prepared.dataset.y, {c: fed.clients[c] for c in range(prepared.cfg.clients)},
+                      prepared.initial, holdout=fed.holdout)
+
+    def restore() -> None:
+        host._blas_limit.restore_original_limits()
+        torch.set_num_threads(threads)
+
+    return host, restore

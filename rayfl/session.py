@@ -1,0 +1,311 @@
+"""The Ray session and the run directories, for the ``rayfl`` command and the Python API alike.
+
+Starting or attaching Ray (a private loopback instance with its own token, or a given cluster, probed first so
+that a wrong ``--address`` is one line within seconds), shutting it down with the environment restored, the
+checks on a tracking store made before anything starts, and a run directory's layout (``config.yaml`` beside
+its checkpoints, what ``--resume`` reads back).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+from contextlib import contextmanager
+from typing import Callable
+
+from rayfl.config import UserError, check_value, make_config, read_yaml, shown
+from rayfl.progress import stderr_into
+
+Progress = Callable[[dict], None]
+
+
+# --------------------------------------------------------------------------------------------------
+# Ray: a private instance or a given cluster, up for one command and down again
+# --------------------------------------------------------------------------------------------------
+class RayStartError(Exception):
+    """Ray could not be started or reached for a reason that is not the user's: one line, exit 1."""
+
+
+CONNECT_TIMEOUT_S = 5.0
+_SAVED_ENV: dict[str, str | None] = {}
+
+
+# Objects up to this size travel inside a call's message instead of through the node's object store: an
+# actor's partial sum of a 159k-parameter model (1.3 MB of float64) cost the raylet about 5 ms of CPU a
+# round at 1,000 clients on 2 cores (benchmarks/README.md). Ray's default is 100 KB; a private instance only.
+INLINE_BYTES = 4 << 20
+
+
+def start_ray(address: str | None, emit: Progress) -> bool:
+    """Connect unless this process already is; True when we started (and so must shut down) Ray."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    emit({"event": "cluster", "state": "starting", "address": address or os.environ.get("RAY_ADDRESS")})
+    t0 = time.monotonic()
+    init_ray(address)
+    emit({"event": "cluster", "state": "ready", "seconds": time.monotonic() - t0,
+          "resources": ray.cluster_resources(), "logs": _ray_logs_dir()})
+    return True
+
+
+def init_ray(address: str | None) -> None:
+    """Connect to the given cluster, or start a private local instance (never someone else's).
+
+    The private instance binds the loopback address only and requires a fresh random token, so no other
+    machine, and no process without that token, can attach to it and run code. A given address is probed
+    first (an unreachable one is one line within seconds, not Ray's endless retries)."""
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    private = address in (None, "local")
+    if private:
+        import secrets
+
+        # Read by Ray when it is imported (and again after Config.initialize): loopback-only node IP
+        # (Ray treats the node as a single-machine instance) and token authentication with our own token.
+        _set_env(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32),
+                 RAY_AUTH_TOKEN_PATH=None)
+    else:
+        check_address(address)
+        _set_env(RAY_gcs_server_port_wait_time_s=os.environ.get("RAY_gcs_server_port_wait_time_s", "1"))
+    _reload_ray_env()
+    import ray
+
+    kwargs = dict(address="local", include_dashboard=False, _node_ip_address="127.0.0.1",
+                  _system_config={"max_direct_call_object_size": INLINE_BYTES}) if private else dict(address=address)
+    try:
+        with _stderr_kept_aside() as kept:
+            ray.init(logging_level="ERROR", configure_logging=True, **kwargs,
+                     log_to_driver=False)  # workers' and raylets' output stays in Ray's log files)
+    except Exception as e:  # noqa: BLE001 - whatever Ray raises, the user gets one line
+        _restore_env()
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if private:
+            raise RayStartError(f"a local Ray instance did not start ({type(e).__name__}: {detail}); "
+                                f"Ray's own messages: {kept.name}") from None
+        raise UserError(f"address={address!r}: could not connect to a Ray cluster there ({detail}; Ray's own "
+                        f"messages: {kept.name})") from None
+
+
+def shutdown_ray() -> None:
+    """Ray down, and the environment as it was before :func:`init_ray` (tests run many commands in one process)."""
+    import ray
+
+    ray.shutdown()
+    _restore_env()
+
+
+def _set_env(**values: str | None) -> None:
+    for key, value in values.items():
+        _SAVED_ENV.setdefault(key, os.environ.get(key))
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def _restore_env() -> None:
+    for key, value in _SAVED_ENV.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    _SAVED_ENV.clear()
+    _reload_ray_env()
+
+
+def _reload_ray_env() -> None:
+    """Ray reads RAY_AUTH_* and the single-machine switch when it is imported; an already imported Ray is
+    told again (as Ray's own tests do between instances)."""
+    if "ray" not in sys.modules:
+        return
+    from ray._private import ray_constants
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    ray_constants.ENABLE_RAY_CLUSTER = os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "1").lower() not in (
+        "0", "false")
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
+@contextmanager
+def _stderr_kept_aside():
+    """File descriptor 2 into a temporary file while Ray starts: Ray's C++ retries print many lines. On
+    success they are passed on unchanged; on failure the caller prints one line naming the file (``.name``)."""
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(prefix="rayfl-ray-start-", suffix=".log", delete=False) as f, stderr_into(f):
+        yield f
+    with open(f.name, "rb") as kept:
+        text = kept.read()
+    os.unlink(f.name)
+    if text:
+        os.write(2, text)
+
+
+def _ray_logs_dir() -> str | None:
+    """Where Ray writes its workers' and raylets' logs (kept out of the console)."""
+    try:
+        from ray._private import worker
+
+        return worker._global_node.get_logs_dir_path()
+    except Exception:  # noqa: BLE001 - a remote cluster keeps them on its head node
+        return None
+
+
+# --------------------------------------------------------------------------------------------------
+# Where Ray is: a given address, checked before anything is loaded
+# --------------------------------------------------------------------------------------------------
+def check_address(address: str | None) -> None:
+    """A Ray address must be HOST:PORT, ray://HOST:PORT or auto, and something must listen there (checked
+    before the data is loaded, and again when Ray starts)."""
+    if address is not None and not isinstance(address, str):
+        raise UserError(f"address={shown(address)}: must be a string: HOST:PORT, ray://HOST:PORT or auto")
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address in (None, "local", "auto"):
+        return
+    target = address[len("ray://"):] if address.startswith("ray://") else address
+    host, sep, port = target.rpartition(":")
+    if (not sep or not host or "/" in target or not port.isdigit() or not 0 < int(port) < 65536
+            or len(address) > 300 or not address.isprintable() or " " in address):
+        raise UserError(f"address={shown(address)}: expected HOST:PORT, ray://HOST:PORT or auto")
+    reason = unreachable(host.strip("[]"), int(port)) or not_grpc(host.strip("[]"), int(port))
+    if reason:
+        raise UserError(f"address={shown(address)}: no Ray cluster answers there ({reason})")
+
+
+def unreachable(host: str, port: int) -> str | None:
+    """Why nothing accepts a TCP connection at host:port within CONNECT_TIMEOUT_S; None when something does."""
+    import socket
+
+    try:
+        socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as e:
+        return e.strerror or str(e) or type(e).__name__
+    return None
+
+
+# An HTTP/2 client's connection preface and an empty SETTINGS frame (RFC 9113, 3.4 and 6.5): a gRPC server, as
+# Ray's GCS and its client server are, answers with a SETTINGS frame of its own.
+_HTTP2_HELLO = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+GRPC_ANSWER_S = 3.0
+
+
+def not_grpc(host: str, port: int) -> str | None:
+    """Why what listens at host:port is not a gRPC server (a web server, a database, a silent socket: Ray
+    would retry it for about 40 s before giving up); None when it answers an HTTP/2 hello as gRPC does."""
+    import socket
+
+    try:
+        with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S) as sock:
+            sock.settimeout(GRPC_ANSWER_S)
+            sock.sendall(_HTTP2_HELLO)
+            answer = b""
+            while len(answer) < 9:
+                chunk = sock.recv(9 - len(answer))
+                if not chunk:
+                    break
+                answer += chunk
+    except socket.timeout:
+        return f"something listens there but sent nothing in {GRPC_ANSWER_S:g} s; a Ray cluster speaks gRPC"
+    except OSError as e:
+        return e.strerror or str(e) or type(e).__name__
+    if len(answer) == 9 and answer[3] == 4 and answer[5:9] == bytes(4):  # a SETTINGS frame on stream 0
+        return None
+    return "something listens there but does not speak gRPC, as a Ray cluster does"
+
+
+# --------------------------------------------------------------------------------------------------
+# The tracking store
+# --------------------------------------------------------------------------------------------------
+def check_tracking_store(uri: str, experiment: str) -> None:
+    """A SQLite file or store directory on this machine that MLflow could not open or write, or a tracking
+    server that does not answer, refused before anything starts (the store itself is opened by the run's
+    driver, in the background; MLflow would retry a silent server for minutes)."""
+    if uri.startswith(("http://", "https://")):
+        import urllib.parse
+
+        url = urllib.parse.urlparse(uri)
+        port = url.port or (443 if url.scheme == "https" else 80)
+        reason = unreachable(url.hostname, port) if url.hostname else None
+        problem = f"no server answers at {url.hostname}:{port}: {reason}" if reason else None
+    elif uri.startswith("sqlite:////"):  # SQLite makes the file, not its directory
+        path = uri[len("sqlite:///"):]
+        folder = os.path.dirname(path)
+        problem = ("it is a directory" if os.path.isdir(path) else
+                   f"no directory {folder}" if not os.path.isdir(folder) else _unwritable(path, folder))
+    elif uri.startswith("/") or uri.startswith("file:///"):  # a file store makes its directories
+        path = uri.removeprefix("file://")
+        folder = path
+        while not os.path.exists(folder):
+            folder = os.path.dirname(folder)
+        problem = f"{folder} is a file" if not os.path.isdir(folder) else _unwritable(path, folder)
+    else:
+        return
+    if problem:
+        raise UserError(f"tracking_uri={uri!r}: cannot open experiment {experiment!r} there ({problem})")
+
+
+def _unwritable(path: str, folder: str) -> str | None:
+    target = path if os.path.exists(path) else folder
+    return None if os.access(target, os.W_OK) else f"{target} is not writable"
+
+
+def open_experiment(uri: str, experiment: str) -> str:
+    """The experiment's id in the tracking store; a store that cannot be opened is one line."""
+    from rayfl.tracking import ensure_experiment, store_error
+
+    try:
+        return ensure_experiment(uri, experiment)
+    except Exception as e:  # noqa: BLE001 - MLflow's errors for a bad store vary (sqlite, http, paths)
+        raise UserError(store_error(uri, experiment, e)) from None
+
+
+# --------------------------------------------------------------------------------------------------
+# Run directories: config.yaml beside the checkpoints
+# --------------------------------------------------------------------------------------------------
+def make_run_dir(cfg, run_name: str, uri: str) -> str:
+    """<out_dir>/<run_name> with the resolved config in config.yaml: absolute paths and the tracking URI
+    actually used, so ``--resume`` works from any working directory."""
+    import yaml
+
+    run_dir = os.path.abspath(os.path.join(os.path.expanduser(cfg.out_dir), run_name))
+    record = {**dataclasses.asdict(cfg), "run_name": run_name, "tracking_uri": uri,
+              "out_dir": os.path.abspath(os.path.expanduser(cfg.out_dir))}
+    if cfg.data_root is not None:
+        record["data_root"] = os.path.abspath(os.path.expanduser(cfg.data_root))
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+            yaml.safe_dump(record, f, sort_keys=False)
+        from rayfl.plugins import write_record
+
+        write_record(run_dir, cfg.algo)  # which plugins were loaded, for --resume
+    except OSError as e:
+        raise UserError(f"out_dir={cfg.out_dir!r}: cannot write the run directory {run_dir} "
+                        f"({e.strerror or e})") from None
+    return run_dir
+
+
+def load_run_dir(run_dir: str):
+    """The Config saved in a run directory, for --resume: it must be a rayfl run directory with a checkpoint."""
+    from rayfl.loop import Loop
+
+    check_value("--resume", run_dir)
+    saved = os.path.join(run_dir, "config.yaml")
+    if not os.path.isfile(saved):
+        raise UserError(f"--resume {run_dir!r}: no config.yaml there (not a rayfl run directory)")
+    from rayfl.plugins import reload_recorded
+
+    reload_recorded(run_dir)  # the plugins the run loaded (its algorithm may be one), before its config is read
+    try:
+        cfg = make_config(None, read_yaml(saved))
+    except UserError as e:
+        raise UserError(f"--resume {run_dir!r}: its config.yaml: {e}") from None
+    if not Loop.has_checkpoint(run_dir):
+        raise UserError(f"--resume {run_dir!r}: no checkpoint there to go on from (the run saved none: "
+                        f"--checkpoint-every N); start it again without --resume")
+    Loop.read_checkpoint(run_dir, cfg)  # another version's, another config's, or not plain data: refused now
+    return cfg
