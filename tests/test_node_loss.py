@@ -11,6 +11,9 @@ through the cluster's helper after round LOSE_AFTER. The uninterrupted result ea
 computed in this process with every client in a LocalRuntime (the Ray runtime's results equal it:
 tests/test_ray_run.py), from the same config.
 
+A sweep on the same cluster: the node of a trial's process is lost, and Tune's retry goes on from the trial's
+own checkpoint to the uninterrupted result.
+
 Beside them, without the cluster: the checkpoint the loop leaves from its newest snapshot when no room comes
 (in one process), and a call that reaches a client actor Ray restarted (on the local test instance).
 """
@@ -318,3 +321,60 @@ def test_capacity_wait_must_be_a_finite_number_of_seconds(value):
         make_config(None, {"capacity_wait": value}).check()
     assert make_config(None, {"capacity_wait": "0"}).capacity_wait == 0.0
     assert make_config(None, {}).capacity_wait == 600.0
+
+
+def test_a_sweep_trial_whose_node_is_lost_is_retried_from_its_own_checkpoint(cluster):
+    """`rayfl tune --address`: the node that runs a trial (its clients in the trial's own process) leaves the
+    cluster after the trial's round 3 (a trial checkpoints every round; rounds slow enough that the loss lands
+    mid-trial); Tune retries the trial on the nodes left, it goes on from its
+    own rayfl checkpoint (the disk outlives the node), and its final metrics are those of the same experiment
+    never interrupted."""
+    import pandas as pd
+
+    helper, lost = cluster["helper"], []
+    values = {"algo": "fedavg", "dataset": "synthetic", "partition": "iid", "clients": 3, "rounds": ROUNDS,
+              "samples_per_client": 60, "lr": 0.1, "batch_size": 16, "local_epochs": 40, "clients_per_actor": 3}
+    space = Path(cluster["root"]) / "space-node-loss.yaml"
+    space.write_text("grid:\n  lr: [0.1]\n")
+    args = [*flags({k: v for k, v in values.items() if k != "lr"}), "--space", str(space), "--max-concurrent", "1",
+            "--tracking-uri", cluster["uri"], "--experiment", "node-loss-tune",
+            "--storage-path", f"{cluster['root']}/tune", "--name", "nl"]
+    script = Path(sys.executable).with_name("rayfl")
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "rayfl.cli"]
+    proc = subprocess.Popen([*cmd, "tune", "--address", helper.info["gcs"], *args], env=cluster["env"],
+                            cwd=cluster["root"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    out, deadline = [], time.monotonic() + RUN_TIMEOUT
+    try:
+        for line in proc.stdout:
+            out.append(line)
+            m = re.match(r"trial \S+ round (\d+)/", line)
+            if m and int(m.group(1)) >= 3 and not lost:
+                actors = helper.actors()  # the trial's process is Tune's function-trainable actor
+                live = [a for a in actors if "ImplicitFunc" in a["class"] and a["node"] != helper.info["head"]]
+                assert len(live) == 1, f"not one trial actor on a worker node: {actors}"
+                helper.remove(live[0]["node"])
+                lost.append(live[0]["node"])
+            if time.monotonic() > deadline:
+                break
+        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            pytest.fail(f"`rayfl tune` did not end in {RUN_TIMEOUT}s:\n{''.join(out)[-3000:]}")
+        if lost:
+            helper.add(num_cpus=1)  # back to four workers
+    text = "".join(out)
+    assert proc.returncode == 0 and lost, text[-3000:]
+    assert re.search(r"^trial \S+ lost its process; retried \(1 so far\)", text, re.M), text[-3000:]
+    sweep_dir = Path(cluster["root"]) / "tune" / "nl"
+    with open(sweep_dir / "rayfl_trials.json") as f:
+        [rec] = json.load(f)["trials"].values()
+    assert rec["status"] == "DONE" and rec["result"]["round"] == ROUNDS
+    assert 0 < rec["result"]["rounds_run"] < ROUNDS  # the retry went on from a checkpoint, not from round 1
+    table = pd.read_csv(sweep_dir / "results.csv")
+    want = uninterrupted_final(values)
+    assert len(table) == 1 and table.rounds[0] == ROUNDS
+    assert table.test_acc_mean[0] == pytest.approx(want["test_acc_mean"], abs=1e-6)
+    assert table.val_acc_mean[0] == pytest.approx(want["val_acc_mean"], abs=1e-6)
