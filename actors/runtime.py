@@ -6,7 +6,7 @@ for it): a call that meets a dead actor, a restarted one, or an object it owned,
 (:meth:`save_clients`) and replays the rounds since.
 
 What must outlive a node: a snapshot's client states are copied into this (the driver's) process once the
-round they belong to is done (:meth:`keep_clients`); the return value of an actor call lives in the object
+round they belong to is done (:meth:`keep_clients`), but those made on the driver's own node; the return value of an actor call lives in the object
 store of the actor's node, and is gone with it. The actors' constructor arguments are passed by value, or
 are the submitter's ``ray.put`` objects (the data, the initial model), held where the submitter runs.
 A lost actor that finds no room is waited for ``capacity_wait`` seconds (an autoscaler may add a node),
@@ -127,8 +127,18 @@ class RayRuntime:
         """Make a snapshot outlive any client node: every save of the chain still in the object store is
         fetched into this process, in place (the runtime's chain shares its lists, so later snapshots that
         extend it hold the copies too). ClientsLost when a save died with its actor, or came from a process
-        Ray restarted: the snapshot is then not one to keep."""
-        pending = [(parts, h, ref) for parts in saved for h, ref in enumerate(parts) if isinstance(ref, ray.ObjectRef)]
+        Ray restarted: the snapshot is then not one to keep. A save made on this process's own node stays
+        where it is (:class:`LocalSave`): a loss of that node takes the driver too, which then starts again from
+        its on-disk checkpoint, so copying it would only cost the round a wait (on one machine, every save)."""
+        here = ray.get_runtime_context().get_node_id()
+        pending = []
+        for parts in saved:
+            for h, ref in enumerate(parts):
+                if isinstance(ref, ray.ObjectRef):
+                    if self.nodes[h] is not None and self.nodes[h] == here:
+                        parts[h] = LocalSave(ref, self.tokens[h])
+                    else:
+                        pending.append((parts, h, ref))
         if not pending:
             return
         with clients_lost():
@@ -137,11 +147,17 @@ class RayRuntime:
             self._same(h, token)
             parts[h] = value
 
+    def kept_state(self, part):
+        """A part of a kept snapshot as a state (a :class:`LocalSave` fetched and checked)."""
+        with clients_lost():
+            return LocalSave.value(part)
+
     def restore_clients(self, saved):
         with clients_lost():  # a restarted actor that died again, or a snapshot that died with its actor
             self.await_actors()
             # kept snapshots only (keep_clients): the states go by value, from this process
-            tokens = ray.get([a.load_state.remote(*SaveChain.of_host(saved, h)) for h, a in enumerate(self.actors)])
+            tokens = ray.get([a.load_state.remote(*map(LocalSave.value, SaveChain.of_host(saved, h)))
+                              for h, a in enumerate(self.actors)])
         self.tokens = list(tokens)
         self.saves.reset(saved)
 
@@ -220,6 +236,25 @@ def _ranges(ids: list[int]) -> str:
 
 
 NOTICE_AFTER = 3.0  # seconds of waiting for a restarted actor before the submitter is told what it waits for
+class LocalSave:
+    """A client actor's save left in the object store of the driver's node, with the token of the process it
+    was asked of: restoring from it checks that the same process made it (not one Ray restarted meanwhile,
+    whose clients were fresh)."""
+
+    def __init__(self, ref, token: str | None):
+        self.ref, self.token = ref, token
+
+    @staticmethod
+    def value(part):
+        """A kept save's state: as it is, or fetched now from this node's object store and checked."""
+        if not isinstance(part, LocalSave):
+            return part
+        token, value = ray.get(part.ref)
+        if part.token is not None and token != part.token:
+            raise ClientsLost("a snapshot's save came from a restarted client actor")
+        return value
+
+
 LOST = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)
 
 

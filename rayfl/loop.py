@@ -298,8 +298,13 @@ class Loop:
         if on_disk is not None and on_disk["step"] >= snap["step"]:
             return self.checkpoint_dir, on_disk["step"]
         clients: dict = {}
+        kept_state = getattr(self.runtime, "kept_state", lambda part: part)  # a save the runtime left in place
         for parts in snap["clients"]:  # a chain of saves, oldest first, one part per host
             for part in parts:
+                try:
+                    part = kept_state(part)
+                except ClientsLost:
+                    part = None
                 if not isinstance(part, dict):
                     return (self.checkpoint_dir, on_disk["step"]) if on_disk is not None else None
                 clients.update(part)

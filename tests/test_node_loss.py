@@ -378,3 +378,16 @@ def test_a_sweep_trial_whose_node_is_lost_is_retried_from_its_own_checkpoint(clu
     assert len(table) == 1 and table.rounds[0] == ROUNDS
     assert table.test_acc_mean[0] == pytest.approx(want["test_acc_mean"], abs=1e-6)
     assert table.val_acc_mean[0] == pytest.approx(want["val_acc_mean"], abs=1e-6)
+
+
+def test_a_save_left_on_the_drivers_node_is_restored_only_from_the_process_it_was_asked_of(ray_session):
+    """A save kept in place (the client actor shares the driver's node: copying it would only cost a wait) is
+    checked when restored: made by the process it was asked of, it is its state; made by a process Ray
+    restarted meanwhile (another token: fresh clients), the snapshot is a loss, not a state to load."""
+    from rayfl.actors.runtime import LocalSave
+
+    ref = ray_session.put(("token-a", {0: b"state"}))
+    assert LocalSave.value(LocalSave(ref, "token-a")) == {0: b"state"}
+    with pytest.raises(ClientsLost, match="restarted client actor"):
+        LocalSave.value(LocalSave(ref, "token-b"))
+    assert LocalSave.value({1: b"kept"}) == {1: b"kept"}  # a save already copied here is as it is
