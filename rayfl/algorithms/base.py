@@ -31,6 +31,11 @@ An algorithm is one module in ``rayfl/algorithms/`` that defines three things an
     share those weights together, in one forward pass where their splits are small.
     ``client.model`` is the client's personal model, made on first use; a step that trains a working copy
     that is not the client's own (FedAvg) uses ``client.scratch(vec)`` and so keeps no personal weights.
+    Two optional class attributes declare what the platform may do around a logic's steps:
+    ``private_training`` (True where its training is ``client.fit``, so differential privacy's sample-level
+    path applies, else a string saying why not: :mod:`rayfl.privacy`) and ``local_buffers = True`` (its clients
+    may keep their own BatchNorm statistics, config ``buffers=local``: every vector a client loads gets its
+    own running statistics written in, FedBN, Li et al. 2021).
 
 The shared loop (:mod:`rayfl.loop`) owns everything else: participant sampling, dispatch, evaluation,
 the summary across clients, logging, checkpoints and timing. Stages (PersFL's distillation, FedMoE's
