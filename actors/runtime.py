@@ -156,8 +156,10 @@ class RayRuntime:
         with clients_lost():  # a restarted actor that died again, or a snapshot that died with its actor
             self.await_actors()
             # kept snapshots only (keep_clients): the states go by value, from this process
-            tokens = ray.get([a.load_state.remote(*map(LocalSave.value, SaveChain.of_host(saved, h)))
-                              for h, a in enumerate(self.actors)])
+            chains = [SaveChain.of_host(saved, h) for h in range(len(self.actors))]
+            states = iter(LocalSave.values([part for chain in chains for part in chain]))
+            tokens = ray.get([a.load_state.remote(*[next(states) for _ in chain])
+                              for a, chain in zip(self.actors, chains)])
         self.tokens = list(tokens)
         self.saves.reset(saved)
 
@@ -247,12 +249,18 @@ class LocalSave:
     @staticmethod
     def value(part):
         """A kept save's state: as it is, or fetched now from this node's object store and checked."""
-        if not isinstance(part, LocalSave):
-            return part
-        token, value = ray.get(part.ref)
-        if part.token is not None and token != part.token:
-            raise ClientsLost("a snapshot's save came from a restarted client actor")
-        return value
+        return LocalSave.values([part])[0]
+
+    @staticmethod
+    def values(parts: list) -> list:
+        """:meth:`value` of each part, the ones left in the object store fetched together."""
+        local = [i for i, part in enumerate(parts) if isinstance(part, LocalSave)]
+        out = list(parts)
+        for i, (token, value) in zip(local, ray.get([parts[i].ref for i in local])):
+            if parts[i].token is not None and token != parts[i].token:
+                raise ClientsLost("a snapshot's save came from a restarted client actor")
+            out[i] = value
+        return out
 
 
 LOST = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)

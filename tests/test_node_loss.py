@@ -79,21 +79,22 @@ def flags(values: dict) -> list[str]:
     return out
 
 
-def rayfl(cluster, args: list[str], on_round=None) -> tuple[int, str, str]:
-    """`rayfl run --address <the cluster> ARGS` to its end; ``on_round(k)`` at each round line it prints
-    (k counted from 1). Returns (exit status, stdout, stderr)."""
+def rayfl(cluster, args: list[str], on_round=None, command: str = "run",
+          round_line: str = r"round\s+(\d+)/") -> tuple[int, str, str]:
+    """`rayfl COMMAND --address <the cluster> ARGS` to its end; ``on_round(k)`` at each line matching
+    ``round_line`` (k counted from 1). Returns (exit status, stdout, stderr)."""
     script = Path(sys.executable).with_name("rayfl")
     cmd = [str(script)] if script.exists() else [sys.executable, "-m", "rayfl.cli"]
     err_path = Path(cluster["root"]) / f"stderr-{time.monotonic_ns()}"
     with open(err_path, "w+") as err:
-        proc = subprocess.Popen([*cmd, "run", "--address", cluster["helper"].info["gcs"], *args], env=cluster["env"],
+        proc = subprocess.Popen([*cmd, command, "--address", cluster["helper"].info["gcs"], *args], env=cluster["env"],
                                 cwd=cluster["root"], stdout=subprocess.PIPE, stderr=err, text=True,
                                 start_new_session=True)
         out, deadline = [], time.monotonic() + RUN_TIMEOUT
         try:
             for line in proc.stdout:
                 out.append(line)
-                m = re.match(r"round\s+(\d+)/", line)
+                m = re.match(round_line, line)
                 if m and on_round:
                     on_round(int(m.group(1)))
                 if time.monotonic() > deadline:
@@ -106,7 +107,7 @@ def rayfl(cluster, args: list[str], on_round=None) -> tuple[int, str, str]:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
                 err.seek(0)
-                pytest.fail(f"`rayfl run` did not end in {RUN_TIMEOUT}s:\n{''.join(out)[-3000:]}\n{err.read()[-3000:]}")
+                pytest.fail(f"`rayfl {command}` did not end in {RUN_TIMEOUT}s:\n{''.join(out)[-3000:]}\n{err.read()[-3000:]}")
         err.seek(0)
         return proc.returncode, "".join(out), err.read()
 
@@ -339,34 +340,22 @@ def test_a_sweep_trial_whose_node_is_lost_is_retried_from_its_own_checkpoint(clu
     args = [*flags({k: v for k, v in values.items() if k != "lr"}), "--space", str(space), "--max-concurrent", "1",
             "--tracking-uri", cluster["uri"], "--experiment", "node-loss-tune",
             "--storage-path", f"{cluster['root']}/tune", "--name", "nl"]
-    script = Path(sys.executable).with_name("rayfl")
-    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "rayfl.cli"]
-    proc = subprocess.Popen([*cmd, "tune", "--address", helper.info["gcs"], *args], env=cluster["env"],
-                            cwd=cluster["root"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    out, deadline = [], time.monotonic() + RUN_TIMEOUT
+
+    def on_round(k: int) -> None:
+        if k >= 3 and not lost:
+            actors = helper.actors()  # the trial's process is Tune's function-trainable actor
+            live = [a for a in actors if "ImplicitFunc" in a["class"] and a["node"] != helper.info["head"]]
+            assert len(live) == 1, f"not one trial actor on a worker node: {actors}"
+            helper.remove(live[0]["node"])
+            lost.append(live[0]["node"])
+
     try:
-        for line in proc.stdout:
-            out.append(line)
-            m = re.match(r"trial \S+ round (\d+)/", line)
-            if m and int(m.group(1)) >= 3 and not lost:
-                actors = helper.actors()  # the trial's process is Tune's function-trainable actor
-                live = [a for a in actors if "ImplicitFunc" in a["class"] and a["node"] != helper.info["head"]]
-                assert len(live) == 1, f"not one trial actor on a worker node: {actors}"
-                helper.remove(live[0]["node"])
-                lost.append(live[0]["node"])
-            if time.monotonic() > deadline:
-                break
-        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        rc, out, err = rayfl(cluster, args, on_round, command="tune", round_line=r"trial \S+ round (\d+)/")
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            pytest.fail(f"`rayfl tune` did not end in {RUN_TIMEOUT}s:\n{''.join(out)[-3000:]}")
         if lost:
             helper.add(num_cpus=1)  # back to four workers
-    text = "".join(out)
-    assert proc.returncode == 0 and lost, text[-3000:]
+    text = out + err
+    assert rc == 0 and lost, text[-3000:]
     assert re.search(r"^trial \S+ lost its process; retried \(1 so far\)", text, re.M), text[-3000:]
     sweep_dir = Path(cluster["root"]) / "tune" / "nl"
     with open(sweep_dir / "rayfl_trials.json") as f:

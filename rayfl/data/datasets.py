@@ -17,14 +17,12 @@ import math
 import os
 import zlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from rayfl.user_input import UserError
 
-if TYPE_CHECKING:
-    from rayfl.config import Config
 
 BUILTIN = ("digits", "mnist", "fashion-mnist", "cifar10", "cifar100", "synthetic", "sine")
 DATASETS = BUILTIN  # the built-in names; dataset_names() adds the registered ones
@@ -165,7 +163,7 @@ def _is_torch_dataset(obj) -> bool:
 _LAST: dict = {}  # the last dataset this process loaded, by what it was loaded from
 
 
-def load_dataset(cfg: Config) -> Dataset:
+def load_dataset(cfg) -> Dataset:
     """The dataset cfg.dataset names; synthetic ones are generated from cfg.seed. The last one loaded is kept
     (read-only), so a process that prepares run after run (sweep trials, ``compare --local``) loads it once."""
     spec = _REGISTRY.get(cfg.dataset)
@@ -181,7 +179,7 @@ def load_dataset(cfg: Config) -> Dataset:
     return _LAST[key]
 
 
-def _load(cfg: Config) -> Dataset:
+def _load(cfg) -> Dataset:
     name = cfg.dataset
     if name in _REGISTRY:
         return from_source(_REGISTRY[name])
@@ -342,7 +340,7 @@ def _idx_pairs(root: str, name: str) -> list[tuple[str, str]]:
     return []
 
 
-def _mnist_like(name: str, cfg: Config) -> Dataset:
+def _mnist_like(name: str, cfg) -> Dataset:
     """Raw IDX files in the data root are read directly (whatever of train/t10k is there); otherwise torchvision."""
     root = os.path.expanduser(cfg.data_root) if cfg.data_root else None
     pairs = _idx_pairs(root, name) if root and os.path.isdir(root) else []
@@ -369,7 +367,7 @@ def _mnist_like(name: str, cfg: Config) -> Dataset:
     return _images(name, x, y, 10, f"{name} in {cfg.data_root}")
 
 
-def _cifar(name: str, cfg: Config) -> Dataset:
+def _cifar(name: str, cfg) -> Dataset:
     import torchvision.datasets as tvd
 
     cls = tvd.CIFAR10 if name == "cifar10" else tvd.CIFAR100
@@ -380,7 +378,7 @@ def _cifar(name: str, cfg: Config) -> Dataset:
     return _images(name, x, y, 10 if name == "cifar10" else 100, f"{name} in {cfg.data_root}")
 
 
-def _torchvision(cls, name: str, cfg: Config) -> list:
+def _torchvision(cls, name: str, cfg) -> list:
     missing = (f"dataset {name!r} needs its files: pass --data-root DIR holding them, or --download "
                f"(needs network)")
     if cfg.data_root is None and not cfg.download:

@@ -13,19 +13,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from typing import TYPE_CHECKING
-
 from rayfl.user_input import UserError
 
-if TYPE_CHECKING:
-    from rayfl.config import Config
 
 PARTITIONS = ("iid", "pathological", "dirichlet", "latent", "majority", "label-groups", "rotation",
               "permutation", "natural")
 MIN_CLIENT_SAMPLES = 10  # PersFL DS-3 / pFedMe: every client gets at least ~10 samples
 
 
-def size_weights(cfg: Config, rng: np.random.Generator) -> np.ndarray:
+def size_weights(cfg, rng: np.random.Generator) -> np.ndarray:
     """Relative client sizes: equal, or ∝ lognormal(0, size_sigma) draws (PersFL DS-3)."""
     if cfg.sizes == "lognormal":
         return rng.lognormal(0.0, cfg.size_sigma, size=cfg.clients)
@@ -53,7 +49,7 @@ def blocks(num_clients: int, groups: int) -> np.ndarray:
     return np.concatenate([np.full(len(b), g) for g, b in enumerate(np.array_split(np.arange(num_clients), groups))])
 
 
-def assign_groups(cfg: Config, rng: np.random.Generator, paper: str) -> np.ndarray:
+def assign_groups(cfg, rng: np.random.Generator, paper: str) -> np.ndarray:
     """Group of each client: ``blocks``, or ``random`` (each client uniform over the groups, redrawn until
     no group is empty, so that ``groups`` means what it says); ``auto`` takes ``paper``, the paper's way."""
     how = paper if cfg.group_assign == "auto" else cfg.group_assign
@@ -70,7 +66,7 @@ def _split_by_weights(idx: np.ndarray, weights: np.ndarray) -> list[np.ndarray]:
     return np.split(idx, cuts)
 
 
-def _check_groups(cfg: Config, limit: int | None = None, what: str = "") -> None:
+def _check_groups(cfg, limit: int | None = None, what: str = "") -> None:
     if cfg.groups > cfg.clients:
         raise UserError(f"groups={cfg.groups}: more groups than clients={cfg.clients}; every group needs a client")
     if limit is not None and cfg.groups > limit:
