@@ -22,7 +22,7 @@ from typing import Any, Callable
 from rayfl.config import FIELDS, Config, UserError, check_value, did_you_mean, make_config, shown
 from rayfl.config_help import GROUPS
 from rayfl.progress import ConsoleProgress, RoundClock, ui_url
-from rayfl.session import check_address, check_tracking_store, load_run_dir, make_run_dir, shutdown_ray, start_ray
+from rayfl.session import check_address, check_threads_here, check_tracking_on_cluster, check_tracking_store, load_run_dir, make_run_dir, shutdown_ray, start_ray
 
 Progress = Callable[[dict], None]
 
@@ -234,10 +234,7 @@ def run_config(cfg: Config | None, *, resume: str | None = None, address: str | 
     if not (address or os.environ.get("RAY_ADDRESS")):  # a private instance on this machine:
         from rayfl.actors.resources import preflight
 
-        cpus = os.cpu_count() or 1
-        if cfg.torch_threads > cpus:  # every actor's threads spin against the others' on these cores
-            raise UserError(f"torch_threads={cfg.torch_threads}: must be at most this machine's {cpus} CPUs "
-                            f"(a private local Ray instance)")
+        check_threads_here(cfg.torch_threads, address)
         preflight(cfg)  # a request it cannot hold is refused now
         check_tracking_store(uri, cfg.experiment)  # and a tracking store its driver could not open
     run_name = cfg.run_name or f"{cfg.algo}-{cfg.dataset}-{cfg.partition}-s{cfg.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -265,6 +262,8 @@ def run_config(cfg: Config | None, *, resume: str | None = None, address: str | 
     try:
         from rayfl.actors.launch import launch
 
+        if address or os.environ.get("RAY_ADDRESS"):  # the driver opens the store on the cluster: ask there
+            check_tracking_on_cluster(uri, cfg.experiment)
         out = launch(prepared, tracking, checkpoint_dir=run_dir, on_round=on_round, on_event=on_event,
                      cluster_may_grow=bool(address or os.environ.get("RAY_ADDRESS")))
     finally:
@@ -280,7 +279,8 @@ def run_config(cfg: Config | None, *, resume: str | None = None, address: str | 
 def sync(run_dir: str, tracking_uri: str | None = None) -> dict:
     """Send what a run kept in ``run_dir`` for a tracking server that did not answer within its
     ``tracking_wait`` to the same MLflow run (at ``tracking_uri``, default the one the run used), as
-    ``rayfl sync`` does; returns the counts sent. A second call sends nothing."""
+    ``rayfl sync`` does; returns the counts sent. A second call sends nothing. A sweep's or a comparison's
+    directory syncs each of its runs that kept records: the counts by run directory."""
     from rayfl.tracking_outbox import sync as deliver
 
     return deliver(run_dir, tracking_uri)

@@ -70,8 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     sync = sub.add_parser("sync", help="send what a run kept for an unreachable tracking server",
                           description="Deliver the MLflow records a run kept in RUN_DIR/mlflow_outbox (its tracking "
                                       "server did not answer within tracking_wait) to the same MLflow run. What was "
-                                      "delivered is recorded: a second sync sends nothing.")
-    sync.add_argument("run_dir", metavar="RUN_DIR", help="the run's directory")
+                                      "delivered is recorded: a second sync sends nothing. A sweep's or a "
+                                      "comparison's directory syncs each of its runs that kept records.")
+    sync.add_argument("run_dir", metavar="RUN_DIR", help="the run's directory (or a sweep's, a comparison's)")
     sync.add_argument("--tracking-uri", help="the server to send to (default: the one the run used)")
     sync.set_defaults(handler=cmd_sync)
     from rayfl.sweep.command import add_tune_parser

@@ -248,6 +248,47 @@ def check_tracking_store(uri: str, experiment: str) -> None:
         raise UserError(f"tracking_uri={uri!r}: cannot open experiment {experiment!r} there ({problem})")
 
 
+def check_threads_here(threads: int, address: str | None) -> None:
+    """On a private local instance (no ``address``) every actor's torch threads share this machine's cores:
+    more threads per actor than it has CPUs only spin against each other."""
+    if address or os.environ.get("RAY_ADDRESS"):
+        return
+    cpus = os.cpu_count() or 1
+    if threads > cpus:
+        raise UserError(f"torch_threads={threads}: must be at most this machine's {cpus} CPUs "
+                        f"(a private local Ray instance)")
+
+
+CLUSTER_PROBE_S = 10.0  # the longest a check made on the cluster may take before the run goes on without it
+
+
+def check_tracking_on_cluster(uri: str, experiment: str) -> None:
+    """On a cluster the run's driver opens the tracking store from one of its nodes: a tracking server is
+    probed from there (a task that takes no CPU), before any actor starts. A local store's path is the
+    cluster's, not necessarily this machine's: its driver reports it. A cluster too busy to run the probe
+    within ``CLUSTER_PROBE_S`` leaves the question to the driver."""
+    if not uri.startswith(("http://", "https://")):
+        return
+    import ray
+
+    probe = ray.remote(num_cpus=0, max_retries=0)(_tracking_problem).remote(uri, experiment)
+    done, _ = ray.wait([probe], timeout=CLUSTER_PROBE_S)
+    if not done:
+        ray.cancel(probe, force=True)
+        return
+    problem = ray.get(probe)
+    if problem:
+        raise UserError(problem)
+
+
+def _tracking_problem(uri: str, experiment: str) -> str | None:
+    try:
+        check_tracking_store(uri, experiment)
+    except UserError as e:
+        return str(e)
+    return None
+
+
 def _unwritable(path: str, folder: str) -> str | None:
     target = path if os.path.exists(path) else folder
     return None if os.access(target, os.W_OK) else f"{target} is not writable"

@@ -22,6 +22,7 @@ lines files only when they could not be sent (at a checkpoint while the server i
 
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
@@ -368,19 +369,49 @@ class Sender:
 # --------------------------------------------------------------------------------------------------
 # rayfl sync
 # --------------------------------------------------------------------------------------------------
+def kept_runs(root: str) -> list[str]:
+    """The run directories at or below ``root`` (a run's, a sweep's, a comparison's: its parent run's records
+    are at its top) that keep records, ``root`` first."""
+    found = glob.glob(os.path.join(glob.escape(root), "**", OUTBOX, "run.json"), recursive=True)
+    return sorted((os.path.dirname(os.path.dirname(path)) for path in found), key=lambda d: (d != root, d))
+
+
+def kept_line(root: str, uri: str, what: str) -> str | None:
+    """The one line a sweep or a comparison ends with when some of its runs keep records for ``rayfl sync``."""
+    kept = kept_runs(root)
+    if not kept:
+        return None
+    return (f"rayfl: warning: the tracking server at {uri} did not answer; {len(kept)} {what} kept MLflow records "
+            f"it did not get (each in its directory's {OUTBOX}): send them with: rayfl sync {root}")
+
+
 def sync(run_dir: str, tracking_uri: str | None = None, say=lambda line: None) -> dict:
     """Deliver what a run kept in ``RUN_DIR/mlflow_outbox`` to its MLflow run (on ``tracking_uri``, default
-    the one the run used), recording each delivery: a second sync sends nothing. Returns the counts sent."""
+    the one the run used), recording each delivery: a second sync sends nothing. Returns the counts sent.
+    ``run_dir`` may also hold run directories (a sweep's trials, a comparison's runs): each that keeps
+    records is synced, and the counts come back by directory."""
+    from rayfl.config import UserError
+
+    root = os.path.abspath(os.path.expanduser(run_dir))
+    kept = kept_runs(root) if os.path.isdir(root) else []
+    if not kept:
+        raise UserError(f"run_dir={run_dir!r}: no {OUTBOX}/run.json there or below: nothing kept to send (a run "
+                        "that delivered everything keeps no outbox)")
+    if kept == [root]:
+        return sync_run(root, tracking_uri, say, shown=run_dir)
+    return {path: sync_run(path, tracking_uri, lambda line, path=path: say(f"{line} (from {path})"))
+            for path in kept}
+
+
+def sync_run(root: str, tracking_uri: str | None = None, say=lambda line: None, shown: str | None = None) -> dict:
+    """:func:`sync` of the one run whose outbox is in ``root`` (``shown``: the path as the user gave it)."""
     from mlflow.entities import Metric
     from mlflow.tracking import MlflowClient
 
     from rayfl.config import UserError
 
-    folder = outbox_dir(os.path.abspath(os.path.expanduser(run_dir)))
-    if not os.path.isfile(os.path.join(folder, "run.json")):
-        raise UserError(f"run_dir={run_dir!r}: no {OUTBOX}/run.json there: nothing kept to send (a run that "
-                        "delivered everything keeps no outbox)")
-    box = Outbox(folder)
+    run_dir = shown or root
+    box = Outbox(outbox_dir(root))
     run = box.run()
     if tracking_uri is not None:
         from rayfl.config import check_tracking_uri

@@ -4,10 +4,12 @@ errors, and one 2-algorithm x 2-seed comparison on Ray (parent run, 4 children, 
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import pandas as pd
 import pytest
+import yaml
 
 from rayfl.comparison.run import build_configs, final_rows
 from rayfl.comparison.table import markdown, summarize_runs, with_paper
@@ -194,7 +196,7 @@ def test_two_algorithms_two_seeds(mlflow_uri, tmp_path):
 
     lines = []
     res = compare(["local", "fedavg"], [0, 1], runtime="local", tracking_uri=mlflow_uri, experiment="cmp",
-                  progress=lines.append, **TINY)
+                  progress=lines.append, out_dir=str(tmp_path / "runs"), name="two", **TINY)
     # what will run, k/N with an estimate of the time left, and where the result is
     assert lines[0].startswith("compare: 2 rows x 2 seeds = 4 runs (one at a time, in this process)")
     assert [line.split(" partition:")[0] for line in lines[1:3]] == ["compare: seed 0", "compare: seed 1"]
@@ -202,7 +204,14 @@ def test_two_algorithms_two_seeds(mlflow_uri, tmp_path):
     done = lines[3:7]
     assert [line.split(" done")[0] for line in done] == [f"compare: {k}/4" for k in (1, 2, 3, 4)]
     assert "local s0: test_acc_mean" in done[0] and ", eta " in done[0] and done[3].endswith("eta 0:00")
-    assert f"this comparison: {res.mlflow_url}" in lines[7] and res.run_id in res.mlflow_url
+    assert lines[7] == f"compare: the table and each run's directory are in {tmp_path / 'runs' / 'compare' / 'two'}"
+    assert f"this comparison: {res.mlflow_url}" in lines[8] and res.run_id in res.mlflow_url
+    # on disk: the table as logged, and a run directory per (row, seed) with its resolved config
+    assert res.out_dir == str(tmp_path / "runs" / "compare" / "two") and res.tracking_unsent is None
+    assert sorted(os.listdir(res.out_dir)) == ["fedavg_s0", "fedavg_s1", "local_s0", "local_s1", "runs.csv",
+                                               "table.csv", "table.md"]
+    assert yaml.safe_load(open(os.path.join(res.out_dir, "local_s1", "config.yaml")))["seed"] == 1
+    assert res.markdown in open(os.path.join(res.out_dir, "table.md")).read()
     assert "fedfomo-no-final-update" not in set(res.table["algo"])  # only a FedFomo row has one
     assert len(repr(res).splitlines()) == 2 and "href=" in res._repr_html_()
     client = MlflowClient(mlflow_uri)
@@ -234,13 +243,13 @@ def test_two_algorithms_two_seeds(mlflow_uri, tmp_path):
     assert parent.data.tags["rayfl.command"] in parent.data.tags["mlflow.note.content"]
 
 
-def test_concurrent_launches_on_ray(ray_session, mlflow_uri):
+def test_concurrent_launches_on_ray(ray_session, mlflow_uri, tmp_path):
     """The Ray path: two experiments at once, each a child run of the parent, same numbers as in process."""
     from mlflow.tracking import MlflowClient
 
     from rayfl.comparison import compare
 
-    kw = dict(tracking_uri=mlflow_uri, experiment="cmp-ray", clients_per_actor=3, **TINY)
+    kw = dict(tracking_uri=mlflow_uri, experiment="cmp-ray", clients_per_actor=3, out_dir=str(tmp_path), **TINY)
     res = compare(["fedavg"], [0, 1], max_concurrent=2, **kw)
     client = MlflowClient(mlflow_uri)
     children = client.search_runs([client.get_run(res.run_id).info.experiment_id],

@@ -369,6 +369,24 @@ def test_a_sweep_trial_whose_node_is_lost_is_retried_from_its_own_checkpoint(clu
     assert table.val_acc_mean[0] == pytest.approx(want["val_acc_mean"], abs=1e-6)
 
 
+def test_a_tracking_server_down_is_one_line_before_any_actor_starts_on_a_cluster(cluster):
+    """With --address the run's driver opens the store from the cluster: a tracking server that does not answer
+    there is one line, exit 2, within seconds of connecting and before any actor starts (no actor line)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    uri = f"http://127.0.0.1:{port}"
+    t0 = time.monotonic()
+    rc, out, err = rayfl(cluster, [*flags({**BASE, "algo": "fedavg", "clients": 2}), "--tracking-uri", uri,
+                                   "--out-dir", f"{cluster['root']}/runs"])
+    assert rc == 2 and err.strip().splitlines() == [
+        f"rayfl: error: tracking_uri='{uri}': cannot open experiment 'rayfl' there (no server answers at "
+        f"127.0.0.1:{port}: Connection refused)"], err[-3000:]
+    assert "actors" not in out and time.monotonic() - t0 < 60, out[-2000:]
+
+
 def test_a_save_left_on_the_drivers_node_is_restored_only_from_the_process_it_was_asked_of(ray_session):
     """A save kept in place (the client actor shares the driver's node: copying it would only cost a wait) is
     checked when restored: made by the process it was asked of, it is its state; made by a process Ray

@@ -100,7 +100,8 @@ class Pace(Callback):
 
 
 def test_a_server_back_after_an_outage_gets_everything_and_no_round_waits(server, tmp_path):
-    """The server is killed after round 2 and restarted on its port and store ~15 s later. Rounds 3-8 run
+    """The server is killed after round 2 and restarted on its port and store 6 s later (up and answering a few
+    seconds after that). Rounds 3-8 run
     during the outage at their own pace (two checkpoints among them, which keep what was not sent in the run
     directory rather than wait), the run's end waits for the server, and then every round's metrics (once per
     step), its tables and final artifacts are in the same MLflow run, FINISHED, with no outbox left."""
@@ -111,7 +112,7 @@ def test_a_server_back_after_an_outage_gets_everything_and_no_round_waits(server
     def at(step):
         if step == 1:  # round 2 reported: the server goes away, and comes back later
             server.stop()
-            threading.Timer(15.0, lambda: (server.start(), back.append(time.monotonic()), restarted.set())).start()
+            threading.Timer(6.0, lambda: (server.start(), back.append(time.monotonic()), restarted.set())).start()
 
     pace = Pace(0.3, at)
     tracker = MlflowTracker(server.uri, experiment="outage")
@@ -119,7 +120,7 @@ def test_a_server_back_after_an_outage_gets_everything_and_no_round_waits(server
     loop.run()
     assert restarted.is_set(), "the run ended before the server came back: it did not wait"
     gaps = [b - a for a, b in zip(pace.times, pace.times[1:])]
-    assert max(gaps) < 5.0, gaps  # no round waited for the server (each takes ~0.3 s here; the outage 15+ s)
+    assert max(gaps) < 5.0, gaps  # no round waited for the server (each takes ~0.3 s here; the outage 8+ s)
     assert pace.times[-1] < back[0]  # every round done while the server was still away
     client = MlflowClient(server.uri)
     run = client.get_run(tracker.run_id)
@@ -136,6 +137,28 @@ def test_a_server_back_after_an_outage_gets_everything_and_no_round_waits(server
     assert not os.path.exists(tmp_path / "run" / "mlflow_outbox")
 
 
+def run_until_the_server_goes(server, args: list[str], cwd, ready) -> tuple[subprocess.CompletedProcess, float]:
+    """``rayfl ARGS`` against ``server`` (started if a test before stopped it), stopped for good as soon as
+    ``ready()`` is true; to the command's end. Returns its outcome and how long it ran on after the stop."""
+    if server.proc is None:
+        server.start()
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.Popen([*RAYFL, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
+                            env=env, start_new_session=True)
+    try:
+        while not ready() and proc.poll() is None:
+            time.sleep(0.02)
+        server.stop()
+        t_down = time.monotonic()
+        stdout, stderr = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return subprocess.CompletedProcess(args, proc.returncode, stdout, stderr), time.monotonic() - t_down
+
+
 def test_a_server_gone_for_good_costs_tracking_wait_then_sync_delivers_once(server, tmp_path):
     """``rayfl run`` against a server killed as soon as the MLflow run exists: the run trains to its end, waits
     ``--tracking-wait 3`` seconds, exits 0 with one line naming the run directory and ``rayfl sync``; the
@@ -143,24 +166,13 @@ def test_a_server_gone_for_good_costs_tracking_wait_then_sync_delivers_once(serv
     port, then gets them all from ``rayfl sync RUN_DIR --tracking-uri``, in the same run; a second sync (the
     API's) sends nothing."""
     run_dir = tmp_path / "runs" / "gone"
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    env.pop("RAY_ADDRESS", None)
-    proc = subprocess.Popen([*RAYFL, "run", "--dataset", "synthetic", "--partition", "iid", "--clients", "2",
-                             "--rounds", "4", "--samples-per-client", "60", "--tracking-uri", server.uri,
-                             "--experiment", "gone", "--tracking-wait", "3", "--out-dir", str(tmp_path / "runs"),
-                             "--run-name", "gone", "--quiet"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=env)
-    try:
-        while not (run_dir / "mlflow_run_id").exists() and proc.poll() is None:
-            time.sleep(0.02)
-        server.stop()
-        t_down = time.monotonic()
-        stdout, stderr = proc.communicate(timeout=240)
-        waited = time.monotonic() - t_down
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, stderr[-2000:]
+    done, waited = run_until_the_server_goes(
+        server, ["run", "--dataset", "synthetic", "--partition", "iid", "--clients", "2", "--rounds", "4",
+                 "--samples-per-client", "60", "--tracking-uri", server.uri, "--experiment", "gone", "--tracking-wait",
+                 "3", "--out-dir", str(tmp_path / "runs"), "--run-name", "gone", "--quiet"], tmp_path,
+        lambda: (run_dir / "mlflow_run_id").exists())
+    stdout, stderr = done.stdout, done.stderr
+    assert done.returncode == 0, stderr[-2000:]
     lines = [line for line in stderr.splitlines() if "rayfl sync" in line]
     assert lines == [f"rayfl: warning: the tracking server at {server.uri} did not answer within tracking_wait=3 s; "
                      f"the results are complete, the MLflow records not sent are kept in {run_dir}/mlflow_outbox; "
@@ -176,7 +188,7 @@ def test_a_server_gone_for_good_costs_tracking_wait_then_sync_delivers_once(serv
     server.start(port=free_port())  # the same store, elsewhere
     try:
         out = subprocess.run([*RAYFL, "sync", str(run_dir), "--tracking-uri", server.uri], capture_output=True,
-                             text=True, timeout=120, env=env)
+                             text=True, timeout=120)
         assert out.returncode == 0, out.stderr[-2000:]
         assert f"sent to MLflow run {run_id}" in out.stdout
         client = MlflowClient(server.uri)
@@ -198,6 +210,86 @@ def test_a_server_gone_for_good_costs_tracking_wait_then_sync_delivers_once(serv
         again = rayfl.sync(str(run_dir), tracking_uri=server.uri)
         assert again == {"metrics": 0, "params": 0, "tags": 0, "files": 0, "status": None}
         assert {k: len(client.get_metric_history(run_id, k)) for k in run.data.metrics} == counts
+    finally:
+        server.stop()
+
+
+def test_a_comparison_whose_server_is_gone_keeps_its_table_and_records_and_sync_sends_them(server, tmp_path):
+    """``rayfl compare`` against a server killed once its run's MLflow run exists: the comparison ends (exit
+    0) with its table on disk and one line giving ``rayfl sync`` of its directory, which then sends the
+    parent's table and the run's rounds to a server on the same store, once."""
+    from rayfl.tracking_outbox import kept_runs
+
+    folder = tmp_path / "runs" / "compare" / "gone"
+    out, _ = run_until_the_server_goes(
+        server, ["compare", "--local", "--algos", "fedavg", "--seeds", "0", "--dataset", "synthetic", "--partition",
+                 "iid", "--clients", "2", "--rounds", "8", "--samples-per-client", "60", "--tracking-uri", server.uri,
+                 "--experiment", "cgone", "--tracking-wait", "2", "--out-dir", str(tmp_path / "runs"), "--name", "gone",
+                 "--quiet"], tmp_path, lambda: (folder / "fedavg_s0" / "mlflow_run_id").exists())
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert [line for line in out.stderr.splitlines() if "rayfl sync" in line] == [
+        f"rayfl: warning: the tracking server at {server.uri} did not answer; 2 run(s) kept MLflow records it did not "
+        f"get (each in its directory's mlflow_outbox): send them with: rayfl sync {folder}; the table is in "
+        f"{folder}/table.md"], out.stderr[-2000:]
+    assert "| fedavg | 1 |" in (folder / "table.md").read_text()
+    assert kept_runs(str(folder)) == [str(folder), str(folder / "fedavg_s0")]  # the parent's records, the run's
+
+    server.start(port=free_port())  # the same store, elsewhere
+    try:
+        synced = subprocess.run([*RAYFL, "sync", str(folder), "--tracking-uri", server.uri], capture_output=True,
+                                text=True, timeout=120)
+        assert synced.returncode == 0 and synced.stdout.count("sent to MLflow run") == 2, synced.stderr[-2000:]
+        client = MlflowClient(server.uri)
+        child_id = (folder / "fedavg_s0" / "mlflow_run_id").read_text().strip()
+        child = client.get_run(child_id)
+        parent = client.get_run(child.data.tags["mlflow.parentRunId"])
+        assert parent.info.status == child.info.status == "FINISHED"
+        assert parent.data.tags["mlflow.note.content"].startswith("| algorithm | seeds |")
+        assert {"compare/table.md", "compare/comparison.png"} <= {a.path for a in client.list_artifacts(
+            parent.info.run_id, "compare")}
+        assert parent.data.metrics["fedavg/test_acc_mean"] == pytest.approx(child.data.metrics["test_acc_mean"])
+        assert [s for s, _ in points(client, child_id, "test_acc_mean")] == list(range(1, 9))
+        import rayfl
+
+        nothing = {"metrics": 0, "params": 0, "tags": 0, "files": 0, "status": None}
+        assert rayfl.sync(str(folder), tracking_uri=server.uri) == {str(folder): nothing,
+                                                                     str(folder / "fedavg_s0"): nothing}
+    finally:
+        server.stop()
+
+
+def test_a_sweep_whose_server_is_gone_ends_with_its_results_and_sync_sends_its_trials(server, tmp_path):
+    """``rayfl tune`` against a server killed once its trial's MLflow run exists: the sweep ends (exit 0) with
+    its results table, a line saying its parent run was not updated and one giving ``rayfl sync`` of the
+    sweep's directory, which sends the trial's rounds."""
+    space = tmp_path / "space.yaml"
+    space.write_text("grid:\n  lr: [0.1]\n")
+    sweep = tmp_path / "runs" / "tune" / "gone"
+    trials = lambda: list(sweep.glob("trials/*/mlflow_run_id"))  # noqa: E731
+    out, _ = run_until_the_server_goes(
+        server, ["tune", "--algo", "fedavg", "--space", str(space), "--dataset", "synthetic", "--partition", "iid",
+                 "--clients", "2", "--rounds", "8", "--samples-per-client", "60", "--tracking-uri", server.uri,
+                 "--experiment", "tgone", "--tracking-wait", "2", "--out-dir", str(tmp_path / "runs"), "--name",
+                 "gone", "--quiet"], tmp_path, lambda: len(trials()) == 1)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "sweep results (best first)" in out.stdout
+    warnings = [line for line in out.stderr.splitlines() if line.startswith("rayfl: warning")]
+    assert warnings[-2:] == [
+        f"rayfl: warning: the tracking server at {server.uri} did not answer; the sweep's parent run "
+        f"{json.loads((sweep / 'rayfl_sweep.json').read_text())['parent_run_id']} was not updated; the results are "
+        f"in {sweep}/results.csv",
+        f"rayfl: warning: the tracking server at {server.uri} did not answer; 1 trial(s) kept MLflow records it did "
+        f"not get (each in its directory's mlflow_outbox): send them with: rayfl sync {sweep}"], out.stderr[-3000:]
+    server.start(port=free_port())
+    try:
+        synced = subprocess.run([*RAYFL, "sync", str(sweep), "--tracking-uri", server.uri], capture_output=True,
+                                text=True, timeout=120)
+        assert synced.returncode == 0 and synced.stdout.count("sent to MLflow run") == 1, synced.stderr[-2000:]
+        client = MlflowClient(server.uri)
+        [path] = trials()
+        run_id = path.read_text().strip()
+        assert client.get_run(run_id).info.status == "FINISHED"
+        assert [s for s, _ in points(client, run_id, "test_acc_mean")] == list(range(1, 9))
     finally:
         server.stop()
 
@@ -391,8 +483,9 @@ def test_a_store_that_rejects_a_record_ends_the_run_failed_not_left_running(tmp_
     tracker = MlflowTracker(f"sqlite:///{tmp_path}/mlflow.db", experiment="e")
     with pytest.raises(ValueError, match="rejected by the store"):
         try:
-            Loop(p, LocalRuntime(p), [tracker, Pace(0.3)]).run()
+            Loop(p, LocalRuntime(p), [tracker, Pace(0.3)], checkpoint_dir=str(tmp_path / "run")).run()
         except ValueError:
             tracker.fail()
             raise
     assert MlflowClient(tracker.uri).get_run(tracker.run_id).info.status == "FAILED"
+    assert tracking_outbox.kept_runs(str(tmp_path)) == [str(tmp_path / "run")]  # what it did not take, for sync

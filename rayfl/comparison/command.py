@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from rayfl.config import FIELDS, UserError, read_yaml, shown
 from rayfl.flags import add_config_arguments, parse_params
 
@@ -58,4 +60,6 @@ def cmd_compare(args) -> int:
     print(result.markdown)
     print()
     print("\n".join(lines))
+    if result.tracking_unsent:  # the comparison is complete; its MLflow runs are not, until rayfl sync
+        print(result.tracking_unsent, file=sys.stderr)
     return 0

@@ -9,9 +9,11 @@ Under Ray the experiments run as concurrent launches, each with an equal share o
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
-import tempfile
+import re
+import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -23,7 +25,7 @@ import pandas as pd
 from rayfl.comparison.presets import PRESETS
 from rayfl.comparison.table import CLASSIFICATION, REGRESSION, SAME_WORK, WORK, Agreement, bar_chart, markdown, ordering_agreement, summarize_runs, with_paper
 from rayfl.config import UserError, make_config, shown
-from rayfl.session import check_tracking_store, shutdown_ray, start_ray
+from rayfl.session import check_threads_here, check_tracking_store, make_run_dir, shutdown_ray, start_ray
 
 
 @dataclass
@@ -36,6 +38,8 @@ class CompareResult:
     preset: str | None = None
     agreement: "Agreement | None" = None  # with a preset: how many of the paper's row orderings ours keeps
     experiment_id: str = ""
+    out_dir: str = ""  # the comparison's directory: the table, and a run directory per (row, seed)
+    tracking_unsent: str | None = None  # the line saying which runs kept records their server did not get
 
     @property
     def mlflow_url(self) -> str:
@@ -249,12 +253,15 @@ def compare(algos: Sequence[str] | None = None, seeds: Sequence[int] = (0, 1, 2)
     # every user mistake surfaces here, before anything starts
     prepared = [(row, prepare(cfg)) for row, cfg in planned]
     base = planned[0][1]
+    check_threads_here(max(cfg.torch_threads for _, cfg in planned), address if runtime == "ray" else None)
     uri = resolve_tracking_uri(base.tracking_uri)
     check_tracking_store(uri, base.experiment)  # as run checks it: no directories made for a store it refuses
     exp_id = ensure_experiment(uri, base.experiment)
     order = list(dict.fromkeys(row for row, _ in planned))
     seeds = list(dict.fromkeys(cfg.seed for _, cfg in planned))
     name = name or base.run_name or f"compare-{preset or base.dataset}-{time.strftime('%Y%m%d-%H%M%S')}"
+    # the table, and each run's directory (its checkpoints, records kept for rayfl sync) below it
+    out_dir = new_dir(os.path.join(base.out_dir, "compare"), name)
 
     from mlflow import MlflowClient
 
@@ -290,15 +297,17 @@ def compare(algos: Sequence[str] | None = None, seeds: Sequence[int] = (0, 1, 2)
                              "rayfl.seed": str(cfg.seed)},
                     "partition": reports[id(p)].to_dict()}
         show = (lambda rec: on_round(label, rec)) if on_round else None
+        run_dir = run_dirs[label]
         if runtime == "local":
             from rayfl.inprocess import run_in_process
 
-            out = run_in_process(p, tracking, on_round=show)
+            out = run_in_process(p, tracking, run_dir, on_round=show)
         else:
             from rayfl.actors.launch import launch
 
             res, n_actors = _ray_share(cfg, concurrent)
-            out = launch(p, tracking, on_round=show, resources=res, actor_options=[{}] * n_actors)
+            out = launch(p, tracking, checkpoint_dir=run_dir, on_round=show, resources=res,
+                         actor_options=[{}] * n_actors)
         if say:
             finished.append(label)
             done, elapsed = len(finished), time.perf_counter() - t_start
@@ -307,6 +316,13 @@ def compare(algos: Sequence[str] | None = None, seeds: Sequence[int] = (0, 1, 2)
                 f"{acc:.4f}), elapsed {_clock(elapsed)}, eta {_clock(elapsed / done * (total - done))}")
         return final_rows(row, cfg.seed, out)
 
+    run_dirs, names = {}, set()
+    for row, p in prepared:
+        label = f"{row} s{p.cfg.seed}"
+        folder = file_name(label)
+        folder = f"{folder}-{len(names)}" if folder in names else folder  # two labels made one name
+        names.add(folder)
+        run_dirs[label] = make_run_dir(dataclasses.replace(p.cfg, out_dir=out_dir), folder, uri)
     started_ray = False
     rows: list[dict] = []
     try:
@@ -343,13 +359,59 @@ def compare(algos: Sequence[str] | None = None, seeds: Sequence[int] = (0, 1, 2)
     text = markdown(table) + (f"\n\n{agreement.line()}" if agreement else "")
     title = (f"{preset + ': ' if preset else ''}{base.dataset} ({base.partition}), {base.clients} clients, "
              f"{base.rounds} rounds: final round, mean ± std over {len(seeds)} seeds")
-    _log_parent(client, parent, runs, table, text, preset, agreement, provenance["rayfl.command"], title)
-    result = CompareResult(table, runs, parent, text, uri, preset, agreement, exp_id)
+    _write_tables(out_dir, runs, table, text, preset)  # kept here whatever the tracking server does
+    from rayfl.tracking_outbox import answers, kept_line, server_address, sync_run
+
+    box = _parent_records(out_dir, parent, uri, runs, table, text, preset, agreement, provenance["rayfl.command"],
+                          title)
+    if answers(server_address(uri), timeout=3.0):
+        try:
+            sync_run(out_dir)
+            shutil.rmtree(box)
+        except Exception:  # noqa: BLE001 - gone meanwhile: what it did not get stays for rayfl sync
+            pass
+    late = kept_line(out_dir, uri, "run(s)")  # records their server did not get (the parent's, the runs'), for sync
+    if late:
+        late += f"; the table is in {os.path.join(out_dir, 'table.md')}"
+    result = CompareResult(table, runs, parent, text, uri, preset, agreement, exp_id, out_dir, late)
     if say:
         from rayfl.progress import mlflow_hint
 
+        say(f"compare: the table and each run's directory are in {out_dir}")
         say(mlflow_hint(uri, exp_id, parent, what="this comparison"))
     return result
+
+
+def file_name(label: str) -> str:
+    """A row label as a directory name (``fedfomo:M=10 s0`` -> ``fedfomo_M=10_s0``)."""
+    return re.sub(r"[^A-Za-z0-9._=+-]+", "_", label).strip("_.") or "run"
+
+
+def new_dir(parent: str, name: str) -> str:
+    """``parent/name``, made new: ``name-2``, ``name-3``, ... when that exists (a name given twice)."""
+    base = os.path.abspath(os.path.join(os.path.expanduser(parent), file_name(name)))
+    for k in range(1, 10_000):
+        path = base if k == 1 else f"{base}-{k}"
+        try:
+            os.makedirs(path)
+            return path
+        except FileExistsError:
+            continue
+        except OSError as e:
+            raise UserError(f"out_dir={parent!r}: cannot make the comparison's directory {path} "
+                            f"({e.strerror or e})") from None
+    raise UserError(f"out_dir={parent!r}: {base}-2 .. -9999 all exist; give another --name")
+
+
+def _write_tables(out_dir: str, runs: pd.DataFrame, table: pd.DataFrame, text: str, preset: str | None) -> None:
+    """The comparison's files (as logged to its parent run) in ``out_dir``."""
+    table.to_csv(os.path.join(out_dir, "table.csv"), index=False)
+    runs.to_csv(os.path.join(out_dir, "runs.csv"), index=False)
+    head = f"# rayfl compare{f' --preset {preset}' if preset else ''}\n\n"
+    if preset:
+        head += PRESETS[preset].what + f"\n\nPaper: {PRESETS[preset].paper_source}\n\n"
+    with open(os.path.join(out_dir, "table.md"), "w") as f:
+        f.write(head + text + "\n")
 
 
 def _clock(seconds: float) -> str:
@@ -358,11 +420,17 @@ def _clock(seconds: float) -> str:
         f"{seconds // 60}:{seconds % 60:02d}"
 
 
-def _log_parent(client, run_id: str, runs: pd.DataFrame, table: pd.DataFrame, text: str, preset: str | None,
-                agreement: "Agreement | None" = None, command: str = "", title: str = ""):
-    """Table (CSV, Markdown), per-run rows, bar chart and one metric per row x column on the parent; its
-    description (the run's Overview) is the table itself, with the setting and the command."""
+def _parent_records(out_dir: str, run_id: str, uri: str, runs: pd.DataFrame, table: pd.DataFrame, text: str,
+                    preset: str | None, agreement: "Agreement | None" = None, command: str = "",
+                    title: str = "") -> str:
+    """What the parent run gets, as records in ``out_dir``'s outbox (sent at once when its server answers,
+    else by ``rayfl sync``): table (CSV, Markdown), per-run rows, bar chart and one metric per row x column;
+    its description (the run's Overview) is the table itself, with the setting and the command."""
+    import matplotlib.pyplot as plt
+    from mlflow.entities import Metric
+
     from rayfl.tracking import numeric
+    from rayfl.tracking_outbox import Outbox, outbox_dir
 
     metrics = {}
     for _, r in table.iterrows():
@@ -371,22 +439,17 @@ def _log_parent(client, run_id: str, runs: pd.DataFrame, table: pd.DataFrame, te
                 metrics[f"{metric_key(r['algo'])}/{k}"] = v
     if agreement is not None and agreement.pairs:
         metrics["ordering_agreement"] = agreement.fraction
-    from mlflow.entities import Metric
-
     now = int(time.time() * 1000)
-    client.log_batch(run_id, metrics=[Metric(k, v, now, 0) for k, v in metrics.items()])
-    with tempfile.TemporaryDirectory() as tmp:
-        table.to_csv(os.path.join(tmp, "table.csv"), index=False)
-        runs.to_csv(os.path.join(tmp, "runs.csv"), index=False)
-        head = f"# rayfl compare{f' --preset {preset}' if preset else ''}\n\n"
-        if preset:
-            head += PRESETS[preset].what + f"\n\nPaper: {PRESETS[preset].paper_source}\n\n"
-        with open(os.path.join(tmp, "table.md"), "w") as f:
-            f.write(head + text + "\n")
-        client.log_artifacts(run_id, tmp, "compare")
+    box = Outbox(outbox_dir(out_dir))
+    box.write_run(run_id=run_id, tracking_uri=uri, status="FINISHED", end_time=now)
+    files = os.path.join(box.files, box.new_files(), "compare")
+    os.makedirs(files)
+    _write_tables(files, runs, table, text, preset)
+    figure = bar_chart(table, title)
+    figure.savefig(os.path.join(files, "comparison.png"))
+    plt.close(figure)
     # the table first: MLflow's Overview shows a description's first lines and folds the rest under "Show more"
     about = PRESETS[preset].what + f" Paper: {PRESETS[preset].paper_source}." if preset else ""
-    client.set_tag(run_id, "mlflow.note.content", text + (f"\n\n{about}" if about else "")
-                   + (f"\n\n```\n{command}\n```\n" if command else "\n"))
-    client.log_figure(run_id, bar_chart(table, title), "compare/comparison.png")
-    client.set_terminated(run_id, "FINISHED")
+    note = text + (f"\n\n{about}" if about else "") + (f"\n\n```\n{command}\n```\n" if command else "\n")
+    box.spill([("metrics", [Metric(k, v, now, 0) for k, v in metrics.items()]), ("tags", [("mlflow.note.content", note)])])
+    return box.dir

@@ -20,7 +20,7 @@ import yaml
 from rayfl.config import FIELDS, UserError, make_config, read_yaml
 from rayfl.flags import add_config_arguments, parse_params
 from rayfl.progress import ConsoleProgress, summary_table
-from rayfl.session import check_address, check_tracking_store, open_experiment, shutdown_ray, start_ray
+from rayfl.session import check_address, check_threads_here, check_tracking_store, open_experiment, shutdown_ray, start_ray
 from rayfl.sweep.placement import _bundles_for, _pg_factory, bundle_total
 from rayfl.sweep.progress import _progress_callback
 from rayfl.sweep.search import _search_alg, _search_space, selectable_metrics
@@ -306,6 +306,8 @@ def _new_sweep(s: SweepSettings) -> dict:
     base_cfg = plan.config({})
     check_counts({flag: getattr(s, flag) for flag in ("num_samples", "max_concurrent", "grace_period")})
     prepared = prepare(base_cfg)  # data errors (a missing data root, ...) before any trial; gives the task
+    grid_threads = [t for t in plan.space.grid.get("torch_threads", []) if isinstance(t, int)]
+    check_threads_here(max([base_cfg.torch_threads, *grid_threads]), s.address)  # each trial's, on this machine
     uri = resolve_tracking_uri(base_cfg.tracking_uri)
     check_tracking_store(uri, base_cfg.experiment)  # a silent server: one line now, not MLflow's minutes of retries
     metric, mode = _default_metric(prepared.info.task, s.metric, s.mode, base_cfg.val_frac)
@@ -457,7 +459,10 @@ def _run(meta: dict, quiet: bool, resume: bool) -> int:
                     reuse_actors=True),  # an in-process trial's process, imports and data cache serve the next
                 run_config=run_config)
             tuner.fit()
-        code = _finish(meta, read_records(meta["sweep_dir"], meta["swept"]), client)
+        from rayfl.tracking_outbox import answers, server_address
+
+        reachable = answers(server_address(meta["tracking_uri"]), timeout=3.0)
+        code = _finish(meta, read_records(meta["sweep_dir"], meta["swept"]), client if reachable else None)
         status = "FINISHED" if code == 0 else "FAILED"
         return code
     except KeyboardInterrupt:
@@ -465,8 +470,18 @@ def _run(meta: dict, quiet: bool, resume: bool) -> int:
         print(f"rayfl tune: interrupted; go on with: rayfl tune --resume {meta['sweep_dir']}", file=sys.stderr)
         return 130
     finally:
-        _close_children(client, meta)
-        client.set_terminated(meta["parent_run_id"], status)
+        from rayfl.tracking_outbox import answers, kept_line, server_address
+
+        if answers(server_address(meta["tracking_uri"]), timeout=3.0):
+            _close_children(client, meta)
+            client.set_terminated(meta["parent_run_id"], status)
+        else:  # gone: the parent run is left as it is; the results are in the sweep directory
+            print(f"rayfl: warning: the tracking server at {meta['tracking_uri']} did not answer; the sweep's parent "
+                  f"run {meta['parent_run_id']} was not updated; the results are in "
+                  f"{os.path.join(meta['sweep_dir'], 'results.csv')}", file=sys.stderr)
+        line = kept_line(meta["sweep_dir"], meta["tracking_uri"], "trial(s)")
+        if line:  # the sweep is complete; those trials' MLflow runs are not, until rayfl sync
+            print(line, file=sys.stderr)
 
 
 def _close_children(client, meta: dict) -> None:
@@ -523,16 +538,50 @@ def best_record(records: dict, meta: dict) -> dict | None:
 
 
 def _finish(meta: dict, records: dict, client) -> int:
-    import pandas as pd
-
-    from rayfl.plots import grid_heatmap, metric_vs_knob
-
+    """The results table printed (and in the sweep directory); the parent run gets it, its plots and the best
+    trial, unless ``client`` is None (its tracking server did not answer)."""
     df = results_table(records, meta)
     meta["stopped_trials"] = list(df.trial[df.status == "STOPPED"]) if len(df) else []
     run_id, metric = meta["parent_run_id"], meta["metric"]
     path = os.path.join(meta["sweep_dir"], "results.csv")
     df.to_csv(path, index=False)
-    client.log_artifact(run_id, path, "results")
+    errors = sum(1 for rec in records.values() if rec["status"] == "ERROR")
+    import pandas as pd
+
+    with pd.option_context("display.width", 200, "display.max_columns", 30):
+        print("\nsweep results (" + ("best first" if metric in df else "no trial reported the metric") + "):")
+        shown = df.drop(columns=["mlflow_run_id"], errors="ignore")
+        print(shown.to_string(index=False, float_format=lambda v: f"{v:.4f}"))
+    best = best_record(records, meta)
+    if client is not None:
+        _log_parent(client, meta, df, path, best)
+    if best is None:
+        print(f"\nrayfl tune: no trial reported {metric}; {errors} trial(s) failed", file=sys.stderr)
+        return 1
+    best_metrics = best["result"]
+    chosen = {k: best["config"].get(k) for k in meta["swept"]}
+    print(f"\nbest ({metric} {best_metrics[metric]:.4f}, final round): "
+          + ", ".join(f"{k}={v}" for k, v in chosen.items()))
+    print(summary_table(best_metrics))
+    if client is not None:
+        print(f"\nMLflow: parent run {run_id} in experiment {meta['experiment']!r} at {meta['tracking_uri']}, "
+              f"{len(df)} child run(s)")
+        from rayfl.progress import mlflow_hint
+
+        print(mlflow_hint(meta["tracking_uri"], meta["experiment_id"], run_id, what="this sweep"))
+    if errors:
+        print(f"rayfl tune: {errors} trial(s) failed; see {meta['sweep_dir']}", file=sys.stderr)
+    return 0
+
+
+def _log_parent(client, meta: dict, df, results_csv: str, best: dict | None) -> None:
+    """The sweep's parent run: the results table, the metric against each knob, the best trial."""
+    import pandas as pd
+
+    from rayfl.plots import grid_heatmap, metric_vs_knob
+
+    run_id, metric = meta["parent_run_id"], meta["metric"]
+    client.log_artifact(run_id, results_csv, "results")
     if metric in df:
         for knob in meta["swept"]:
             sub = df[[knob, metric]].dropna()
@@ -545,15 +594,8 @@ def _finish(meta: dict, records: dict, client) -> int:
         if len(meta["swept"]) == len(numeric_knobs) == 2 and on_grid and df[metric].notna().any():
             y, x = meta["swept"]  # the first knob down the rows (PersFL: λ rows, T columns)
             client.log_figure(run_id, grid_heatmap(df, x, y, metric, meta["mode"]), f"plots/{metric}_{y}_x_{x}.png")
-    errors = sum(1 for rec in records.values() if rec["status"] == "ERROR")
-    with pd.option_context("display.width", 200, "display.max_columns", 30):
-        print("\nsweep results (" + ("best first" if metric in df else "no trial reported the metric") + "):")
-        shown = df.drop(columns=["mlflow_run_id"], errors="ignore")
-        print(shown.to_string(index=False, float_format=lambda v: f"{v:.4f}"))
-    best = best_record(records, meta)
     if best is None:
-        print(f"\nrayfl tune: no trial reported {metric}; {errors} trial(s) failed", file=sys.stderr)
-        return 1
+        return
     best_metrics = best["result"]
     chosen = {k: best["config"].get(k) for k in meta["swept"]}
     client.log_dict(run_id, {"best": chosen, metric: best_metrics[metric],
@@ -568,14 +610,3 @@ def _finish(meta: dict, records: dict, client) -> int:
         best_run = None
     client.set_tag(run_id, "mlflow.note.content",
                    sweep_markdown(meta, df, {**chosen, metric: best_metrics[metric]}, best_run))
-    print(f"\nbest ({metric} {best_metrics[metric]:.4f}, final round): "
-          + ", ".join(f"{k}={v}" for k, v in chosen.items()))
-    print(summary_table(best_metrics))
-    print(f"\nMLflow: parent run {run_id} in experiment {meta['experiment']!r} at {meta['tracking_uri']}, "
-          f"{len(df)} child run(s)")
-    from rayfl.progress import mlflow_hint
-
-    print(mlflow_hint(meta["tracking_uri"], meta["experiment_id"], run_id, what="this sweep"))
-    if errors:
-        print(f"rayfl tune: {errors} trial(s) failed; see {meta['sweep_dir']}", file=sys.stderr)
-    return 0
