@@ -62,6 +62,8 @@ def load_vector(model: nn.Module, vec) -> nn.Module:
             src = torch.as_tensor(np.asarray(vec))
     flat = getattr(model, "_rayfl_flat", None)
     if flat is not None:
+        if src is flat:  # the model's own weights: already there
+            return model
         if flat.numel() != src.numel():
             raise ValueError(f"weight vector has {src.numel()} values, model needs {flat.numel()}")
         with torch.no_grad():
@@ -134,6 +136,12 @@ def trainable_mask(model: nn.Module) -> torch.Tensor:
     mask = torch.ones_like(flat)
     mask[buffer_index(model).to(flat.device)] = 0
     return mask
+
+
+def flat_weights(model: nn.Module) -> torch.Tensor | None:
+    """A flattened model's weight vector, the tensor its parameters are views of (updated in place, it is the
+    model's weights); None for a model that is not flat."""
+    return getattr(model, "_rayfl_flat", None)
 
 
 def flat_grad(model: nn.Module) -> torch.Tensor:

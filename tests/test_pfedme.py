@@ -52,6 +52,21 @@ def test_inner_solve_against_the_closed_form_of_a_quadratic():
     np.testing.assert_allclose(theta.numpy(), np.linalg.solve(H + 2.0 * np.eye(3), G + 2.0 * w), rtol=1e-8)
 
 
+def test_inner_solve_in_a_flattened_models_own_weights_against_the_closed_form():
+    """The client's path: θ is the working model's own flat weights, updated in place with nothing copied."""
+    from rayfl import training
+
+    w, theta0 = np.array([0.5, -1.0, 0.2]), np.array([1.0, 1.0, -1.0])
+    model = training.flatten(nn.Linear(2, 1).double())
+    training.load_vector(model, torch.tensor(theta0))
+    own = training.flat_weights(model)
+    theta, loss = solve_inner(model, own, torch.tensor(w), torch.tensor(X), torch.tensor(Y),
+                              PFedMeParams(lam=2.0, K=3, personal_lr=0.1), F.mse_loss)
+    assert theta is own
+    np.testing.assert_allclose(theta.numpy(), k_step_iterate(theta0, w, 2.0, 0.1, 3), rtol=1e-10)
+    assert loss.item() == pytest.approx(np.mean((A @ theta.numpy() - Y[:, 0]) ** 2), rel=1e-10)
+
+
 def test_local_update_moves_w_towards_theta_by_eta_lambda():
     # w − η λ (w − θ) with η = 0.1, λ = 2: (1, 2) − 0.2·((1, 2) − (0, 4)) = (0.8, 2.4)
     got = local_update(torch.tensor([1.0, 2.0]), torch.tensor([0.0, 4.0]), 0.1, 2.0)

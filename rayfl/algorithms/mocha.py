@@ -145,8 +145,12 @@ class ProxHead:
 
     def __init__(self, inner, head: list[torch.Tensor], coupling: torch.Tensor, omega_tt: float, lam1: float,
                  lam2: float, lr: float):
-        self.inner, self.head, self.coupling = inner, head, coupling
+        self.inner = inner
         self.omega_tt, self.lam1, self.lam2, self.lr = omega_tt, lam1, lam2, lr
+        self.pairs, offset = [], 0  # each head tensor with its part of the coupling
+        for t in head:
+            self.pairs.append((t, coupling[offset:offset + t.numel()].view_as(t)))
+            offset += t.numel()
 
     def zero_grad(self, *args, **kwargs) -> None:
         self.inner.zero_grad(*args, **kwargs)
@@ -154,12 +158,8 @@ class ProxHead:
     @torch.no_grad()
     def step(self) -> None:
         self.inner.step()
-        offset = 0
-        for t in self.head:
-            n = t.numel()
-            c = self.coupling[offset:offset + n].view_as(t)
+        for t, c in self.pairs:
             prox_head(t, c, self.omega_tt, self.lam1, self.lam2, self.lr, out=t)
-            offset += n
 
 
 def head_range(model) -> slice:
@@ -169,7 +169,10 @@ def head_range(model) -> slice:
 
 def head_tensors(model, head: slice) -> list[torch.Tensor]:
     """The model's tensors that hold the entries of ``head`` (the last layer: the tail of the vector), as views of
-    the parameters' storage."""
+    the parameters' storage: one slice of a flattened model's weight vector (one proximal step a batch)."""
+    flat = training.flat_weights(model)
+    if flat is not None:
+        return [flat[head]]
     out, offset = [], 0
     for t in model.state_dict().values():
         if t.is_floating_point():
@@ -179,11 +182,13 @@ def head_tensors(model, head: slice) -> list[torch.Tensor]:
     return out
 
 
-def with_body(own: np.ndarray, shared: np.ndarray, head: slice) -> np.ndarray:
-    """The shared body's entries with this client's own head."""
-    out = np.array(shared, dtype=np.float32)
-    out[head] = own[head]
-    return out
+def set_head(model, values: list[torch.Tensor], head: slice):
+    """``model`` with its head's entries set to ``values`` (:func:`head_tensors` of another model, or their
+    copies): a shared body loaded into a model, this client's own head put on it."""
+    with torch.no_grad():
+        for t, v in zip(head_tensors(model, head), values):
+            t.copy_(v)
+    return model
 
 
 # ------------------------------------------------------------------------------------------- driver
@@ -254,8 +259,8 @@ class MochaClient(ClientLogic):
         """Shared body + own head; the run's local epochs on the mean loss, with R's proximal step on the head."""
         p, s = self.params, client.settings
         head = head_range(client.model)
-        client.load(with_body(client.vector(), models["global"], head))
-        model = client.model
+        own = [t.detach().clone() for t in head_tensors(client.model, head)]
+        model = set_head(client.load(models["global"]), own, head)  # the shared body, its own head
         coupling = torch.as_tensor(np.asarray(msg["coupling"], dtype=np.float32), device=client.device)
         inner = training.optimizer_for(model, s.optimizer, s.lr, s.momentum, s.weight_decay)
         opt = ProxHead(inner, head_tensors(model, head), coupling, float(msg["omega_tt"]), p.lam1, p.lam2, s.lr)
@@ -266,7 +271,8 @@ class MochaClient(ClientLogic):
     def step_evaluate(self, client, msg, models):
         """The shared body with the client's own head (its personalized model); the client is left as it was."""
         head = head_range(client.model)
-        return client.evaluate(client.scratch(with_body(client.vector(), models["global"], head)))
+        own = head_tensors(client.model, head)
+        return client.evaluate(set_head(client.scratch(models["global"]), own, head))
 
 
 ALGORITHMS = [Algorithm("mocha", MochaParams, MochaServer, MochaClient,

@@ -96,13 +96,14 @@ def plain_steps(cfg, why: str) -> None:
 
 # ------------------------------------------------------------------------------------------- gradients
 
-def flat_gradient(model: nn.Module, loss: torch.Tensor) -> torch.Tensor:
+def flat_gradient(model: nn.Module, loss: torch.Tensor, keep: bool = True) -> torch.Tensor:
     """∂loss/∂v for v the model's weight vector (rayfl.training.to_vector's order); 0 for buffers, frozen and
-    unused parameters."""
+    unused parameters. ``keep=False``: a flattened model's own gradient buffer, valid until its next gradient
+    (for a caller that uses it at once)."""
     if getattr(model, "_rayfl_flat", None) is not None:  # a flattened model: backward into its flat buffer
         grad = training.flat_grad(model)  # zeroed; every trainable parameter's .grad is a view of it
         loss.backward()
-        return grad.clone()  # the buffer is reused by the next call
+        return grad.clone() if keep else grad  # the buffer is reused by the next call
     entries = [t for t in model.state_dict(keep_vars=True).values() if t.is_floating_point()]
     params = [t for t in entries if isinstance(t, nn.Parameter) and t.requires_grad]
     grads = dict(zip(map(id, params), torch.autograd.grad(loss, params, allow_unused=True)))
@@ -111,12 +112,13 @@ def flat_gradient(model: nn.Module, loss: torch.Tensor) -> torch.Tensor:
 
 
 def gradient(model: nn.Module, vec: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
-             loss_fn: Callable) -> tuple[torch.Tensor, torch.Tensor]:
-    """f(vec; (x, y)) and ∇f(vec; (x, y)), the stochastic gradient of Algorithm 1, as a flat vector."""
+             loss_fn: Callable, keep: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """f(vec; (x, y)) and ∇f(vec; (x, y)), the stochastic gradient of Algorithm 1, as a flat vector (``keep``:
+    :func:`flat_gradient`'s). ``vec`` may be the model's own flat weights (nothing to load then)."""
     training.load_vector(model, vec)
     training.set_mode(model, training=True)
     loss = loss_fn(model(x), y)
-    return loss.detach(), flat_gradient(model, loss)
+    return loss.detach(), flat_gradient(model, loss, keep)
 
 
 class Batches:

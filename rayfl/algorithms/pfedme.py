@@ -81,21 +81,24 @@ class PFedMeParams:
 
 # ------------------------------------------------------------------------------------------- the math
 
-def inner_gradient(grad: torch.Tensor, theta: torch.Tensor, w: torch.Tensor, lam: float,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
-    """∇h_i(θ) = ∇f_i(θ; D) + λ (θ − w): the gradient of Eq. 7's objective (into ``out`` if given: the inner
-    solve's K steps reuse one buffer)."""
-    return torch.sub(theta, w, out=out).mul_(lam).add_(grad)
+def inner_step(theta: torch.Tensor, grad: torch.Tensor, pull: torch.Tensor, nu: float, lam: float) -> torch.Tensor:
+    """θ ← θ − ν ∇h_i(θ), with ∇h_i(θ) = ∇f_i(θ; D) + λ (θ − w) the gradient of Eq. 7's objective; computed as
+    (1 − νλ) θ + νλ w − ν ∇f_i(θ; D), in place, with ``pull`` = νλ w made once per solve (w is fixed during
+    it): two passes over θ instead of four."""
+    torch.add(pull, theta, alpha=1.0 - nu * lam, out=theta)
+    return theta.add_(grad, alpha=-nu)
 
 
 def solve_inner(model: nn.Module, theta: torch.Tensor, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
                 p: PFedMeParams, loss_fn) -> tuple[torch.Tensor, torch.Tensor]:
     """θ̃ ≈ argmin_θ f_i(θ; D) + λ/2 ||θ − w||² (Eq. 7) by K gradient steps of size ν from ``theta``, all on
-    the same batch D, in place in ``theta``; returns θ̃ and f_i(θ̃; D)."""
-    step = torch.empty_like(theta)
+    the same batch D, in place in ``theta`` (which may be the model's own flat weights: nothing is copied);
+    returns θ̃ and f_i(θ̃; D)."""
+    pull = w * (p.personal_lr * p.lam)
     for _ in range(p.K):
-        _, grad = gradient(model, theta, x, y, loss_fn)
-        theta.sub_(inner_gradient(grad, theta, w, p.lam, out=step), alpha=p.personal_lr)
+        _, grad = gradient(model, theta, x, y, loss_fn, keep=False)
+        with torch.no_grad():
+            inner_step(theta, grad, pull, p.personal_lr, p.lam)
     with torch.no_grad():
         training.load_vector(model, theta)
         loss = loss_fn(model(x), y)
@@ -166,8 +169,10 @@ class PFedMeClient(ClientLogic):
         p, s = self.params, client.settings
         x, y = client.splits["train"]
         w = to_tensor(models["global"], client.device)
-        theta = w.clone()
         model = client.scratch(w)
+        # θ is the working model's own weights when they are all parameters (a forward pass would move buffers)
+        own = training.flat_weights(model) if not len(training.buffer_index(model)) else None
+        theta = w.clone() if own is None else own
         batches = Batches(x, y, s.batch_size, client.gen)
         loss_fn = training.loss_fn_for(s.task)
         rounds = local_rounds(int(x.shape[0]), s.batch_size, s.local_epochs, p.R)
