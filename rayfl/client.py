@@ -151,6 +151,11 @@ class Client:
     def model(self, module: nn.Module) -> None:
         training.load_vector(self.model, training.to_vector(module))
 
+    @property
+    def initial(self) -> torch.Tensor:
+        """The common initial model's weight vector, flat, on the client's device (read only)."""
+        return self._bench.initial
+
     def weights(self) -> np.ndarray | None:
         """The personal weights as a numpy copy, or None while the client has none (snapshots, artifacts)."""
         if self._bench.owner is self:

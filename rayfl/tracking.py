@@ -712,6 +712,8 @@ class MlflowTracker(Callback):
         submitter waits only so long)."""
         if self.run_id is None or self.sender is None:  # the run was never created: nothing to close
             self.writer = None
+            if self._scratch:
+                shutil.rmtree(self._scratch, ignore_errors=True)
             return
         self._close(status, min(self.wait, FAIL_WAIT))
 

@@ -184,8 +184,11 @@ def test_omega_is_updated_from_the_gathered_heads_on_its_schedule():
     np.testing.assert_allclose(srv.omega @ srv.sigma, np.eye(3), atol=1e-6)
     assert (m0["omega_updated"], m1["omega_updated"]) == (0.0, 1.0)
     arts = srv.artifacts()
-    assert set(arts) == {"omega", "task_covariance"} and arts["omega"].shape == arts["task_covariance"].shape == (3, 3)
+    assert set(arts) == {"omega", "task_covariance", "heads"}
+    assert arts["omega"].shape == arts["task_covariance"].shape == (3, 3)
     np.testing.assert_array_equal(arts["omega"], srv.omega)
+    np.testing.assert_array_equal(arts["heads"], [heads[c] for c in range(3)])  # one row per client
+    assert srv.final_model() is srv.global_ref  # the shared body
 
     every3 = make_server(rounds=20, omega_every=3)
     updated = [every3.run_round(Stage("train", 20), r, [0, 1, 2], call)["omega_updated"] for r in range(6)]
@@ -238,17 +241,20 @@ def test_the_head_is_the_last_layers_tensors_only():
 
 
 def test_client_trains_the_shared_body_with_its_own_head():
+    """Before it has trained, a client's head is the initial model's last layer; after, the head it trained,
+    kept alone (its body is the shared one every round)."""
     client, logic = tiny_client(lr=0.0), MochaClient(MochaParams())
-    own = np.arange(46, dtype=np.float32) / 100
-    client.load(own)
+    initial = client.initial.numpy()
     shared = -np.arange(46, dtype=np.float32) / 10
     up = logic.step_train(client, message(np.zeros(10), 3.0), {"global": shared})
-    after = client.vector()  # lr = 0: no training, so exactly what the step loaded
-    np.testing.assert_array_equal(after[:36], shared[:36])
-    np.testing.assert_array_equal(after[36:], own[36:])
-    np.testing.assert_array_equal(up["weights"], after)
-    np.testing.assert_array_equal(up["head"], own[36:])
-    assert up["n"] == 20
+    np.testing.assert_array_equal(up["weights"], np.concatenate([shared[:36], initial[36:]]))  # lr = 0: as loaded
+    own = np.arange(10, dtype=np.float32) / 100
+    client.state["head"] = own
+    up = logic.step_train(client, message(np.zeros(10), 3.0), {"global": shared})
+    np.testing.assert_array_equal(up["weights"], np.concatenate([shared[:36], own]))
+    np.testing.assert_array_equal(up["head"], own)
+    np.testing.assert_array_equal(client.state["head"], own)
+    assert up["n"] == 20 and client.weights() is None
 
 
 def test_one_local_step_is_sgd_then_the_proximal_head_step():
@@ -257,14 +263,15 @@ def test_one_local_step_is_sgd_then_the_proximal_head_step():
     shared = training.to_vector(make())
     c = np.linspace(-1.0, 1.0, 10)
     start = np.concatenate([shared[:36], client.vector()[36:]])
-    logic.step_train(client, message(c, omega_tt), {"global": shared})  # batch 32 >= 20 samples: one step
+    up = logic.step_train(client, message(c, omega_tt), {"global": shared})  # batch 32 >= 20 samples: one step
     ref = training.load_vector(make(), start)  # the same step, by hand
     x, y = client.splits["train"]
     nn.functional.cross_entropy(ref(x), y).backward()
     grad = torch.cat([p.grad.reshape(-1) for p in ref.parameters()]).numpy()
     v = start - lr * grad
     head = (v[36:] - 2 * lr * lam1 * c) / (1 + 2 * lr * (lam1 * omega_tt + lam2))
-    np.testing.assert_allclose(client.vector(), np.concatenate([v[:36], head]), atol=1e-6)
+    np.testing.assert_allclose(up["weights"], np.concatenate([v[:36], head]), atol=1e-6)
+    np.testing.assert_allclose(client.state["head"], head, atol=1e-6)
 
 
 def test_a_strongly_coupled_head_moves_to_its_neighbours_conditional_mean():
@@ -277,7 +284,7 @@ def test_a_strongly_coupled_head_moves_to_its_neighbours_conditional_mean():
     start = client.vector()
     heads = {}
     for lam1 in (0.0, 1e6):
-        client.load(start)
+        client.state.pop("head", None)  # each from the initial head
         logic = MochaClient(MochaParams(lam1=lam1))
         heads[lam1] = logic.step_train(client, message(omega[0, 1] * w1, omega[0, 0]), {"global": start})["head"]
     np.testing.assert_allclose(heads[1e6], target, atol=1e-4)
@@ -287,15 +294,15 @@ def test_a_strongly_coupled_head_moves_to_its_neighbours_conditional_mean():
 def test_evaluation_uses_the_shared_body_and_own_head_and_leaves_the_client_as_it_was():
     client, logic = tiny_client(), MochaClient(MochaParams())
     own = np.linspace(-1, 1, 46).astype(np.float32)
-    client.load(own)
+    client.state["head"] = own[36:].copy()
     shared = np.linspace(1, -1, 46).astype(np.float32)
     gen, rng = client.gen.get_state(), client.rng.bit_generator.state
     rec = logic.step_evaluate(client, {}, {"global": shared})
     expected = client.evaluate(client.new_model(np.concatenate([shared[:36], own[36:]])))
     assert rec == expected
     assert rec != client.evaluate(client.new_model(own)) and rec != client.evaluate(client.new_model(shared))
-    np.testing.assert_array_equal(client.vector(), own)
-    assert torch.equal(client.gen.get_state(), gen) and client.rng.bit_generator.state == rng
+    np.testing.assert_array_equal(client.state["head"], own[36:])
+    assert client.weights() is None and torch.equal(client.gen.get_state(), gen) and client.rng.bit_generator.state == rng
 
 
 # ------------------------------------------------------------------------------------------- behaviour

@@ -89,13 +89,13 @@ def test_local_rounds_follow_the_runs_batches_or_R():
 
 # ------------------------------------------------------------------------------------------- client
 
-def regression_client(n_train=6, epochs=1, lr=0.05, batch_size=32):
+def regression_client(n_train=6, epochs=1, lr=0.05, batch_size=32, model=lambda: nn.Linear(2, 1), size=3):
     """A Linear(2, 1) client on the quadratic above (its training split is (X, Y)); batches hold the whole split."""
     x = torch.tensor(np.vstack([X, RNG.normal(size=(4, 2))]), dtype=torch.float32)
     y = torch.tensor(np.vstack([Y, RNG.normal(size=(4, 1))]), dtype=torch.float32)
     splits = {"train": (x[:n_train], y[:n_train]), "val": (x[6:8], y[6:8]), "test": (x[8:], y[8:])}
     settings = TrainSettings("regression", epochs, lr, batch_size)
-    return Client(1, splits, lambda: nn.Linear(2, 1), np.zeros(3, np.float32), settings, 0)
+    return Client(1, splits, model, np.zeros(size, np.float32), settings, 0)
 
 
 def reference_round(w_t, lam, nu, K, eta, R):
@@ -127,6 +127,26 @@ def test_a_clients_local_rounds_follow_algorithm_1():
     up = PFedMeClient(p).step_train(empty, {"upload": True}, {"global": w_t})
     assert up["rounds"] == 0 and math.isnan(up["train_loss"]) and empty.weights() is None
     np.testing.assert_array_equal(up["weights"], w_t)
+
+
+class LinearWithBuffer(nn.Linear):
+    """Linear(2, 1) and a float buffer its forward pass never reads: a vector (a1, a2, b, buffer)."""
+
+    def __init__(self):
+        super().__init__(2, 1)
+        self.register_buffer("unused", torch.zeros(1))
+
+
+def test_a_model_with_buffers_follows_algorithm_1_on_its_parameters_and_keeps_its_buffers():
+    """θ is a copy of w when the vector holds buffers (a forward pass could move them): the same local rounds
+    as a model without, the buffer's entry carried unchanged."""
+    client = regression_client(epochs=3, lr=0.07, model=LinearWithBuffer, size=4)
+    p = PFedMeParams(lam=3.0, K=2, personal_lr=0.05)
+    w_t = np.array([0.2, -0.3, 0.1, 7.0], np.float32)
+    up = PFedMeClient(p).step_train(client, {"upload": True}, {"global": w_t})
+    w_R, theta_R, _ = reference_round(w_t[:3].astype(np.float64), 3.0, 0.05, 2, 0.07, 3)
+    np.testing.assert_allclose(up["weights"], [*w_R, 7.0], rtol=1e-5)
+    np.testing.assert_allclose(client.weights(), [*theta_R, 7.0], rtol=1e-5)
 
 
 def test_theta_is_evaluated_not_w_nor_the_global_model():

@@ -35,10 +35,11 @@ The W-update is primal SGD, not the paper's dual method: MOCHA's CoCoA-style sol
 convex loss of fixed features (Section 3, w(α) = ∇R*(Xα)), and neither holds for a network whose body moves
 each round. The paper's own primal baseline (mini-batch SGD, Section 5) is SGD on the same objective. Every client
 does the run's local work (``local_epochs``, ``batch_size``, ``lr``, as FedAvg): a step on the batch loss,
-then the exact proximal step of R in the head (:func:`prox_head`, forward-backward splitting). The proximal
-step equals the explicit gradient step to first order in the learning rate, but it is stable for any λ1·Ω_tt,
-while an explicit step diverges once lr·(λ1 Ω_tt + λ2) > 1: Ω = Σ⁻¹ reaches Ω_tt ~ 10⁵ when the heads are
-nearly collinear (Σ's eigenvalues are floored, below), which the dual method handles by its scaling σ'.
+then the exact proximal step of R in the head (:func:`prox_head`, forward-backward splitting: R is quadratic in
+the head, so the step moves it a fixed fraction of the way to R's own minimizer). The proximal step equals the
+explicit gradient step to first order in the learning rate, but it is stable for any λ1·Ω_tt, while an explicit
+step diverges once lr·(λ1 Ω_tt + λ2) > 1: Ω = Σ⁻¹ reaches Ω_tt ~ 10⁵ when the heads are nearly collinear (Σ's
+eigenvalues are floored, below), which the dual method handles by its scaling σ'.
 
 Choices where the paper is silent, with what the authors' public (MATLAB) code does:
 - Per-task losses are means over the task's samples, as in the code's primal objective (mean hinge loss per
@@ -54,7 +55,9 @@ Choices where the paper is silent, with what the authors' public (MATLAB) code d
   ill-conditioned. Σ comes from WᵀW's eigendecomposition and Ω from Σ's, in float64.
 - Heads start at the common initial model's last layer (the code starts W at 0; rayfl starts every algorithm
   from one initial model). A client that has not trained yet keeps that head in W.
-- The personalized model a client is evaluated with is the current shared body with its own head.
+- The personalized model a client is evaluated with is the current shared body with its own head. The run keeps
+  the shared body as its final model and the heads as an artifact (the body's own last layer, an average of
+  heads, is never read).
 - The proximal step's step size is the run's lr, also under ``optimizer=adam``.
 - The server logs R(W, Ω) each round; Ω and Σ are server artifacts (``omega``, ``task_covariance``: m x m,
   plotted as heatmaps). Σ and Ω are m x m and the update is O(m³): fine for the papers' 15-100 clients.
@@ -131,25 +134,39 @@ def regularizer(W: np.ndarray, omega: np.ndarray, lam1: float, lam2: float) -> f
     return float(lam1 * np.sum((W @ omega) * W) + lam2 * np.sum(W * W))  # tr(WΩWᵀ) without the d x d product
 
 
+def head_target(c: torch.Tensor, omega_tt: float, lam1: float, lam2: float) -> torch.Tensor | None:
+    """argmin_w r(w), r(w) = λ1 (Ω_tt ||w||² + 2 wᵀc) + λ2 ||w||² (R as a function of one head, Eq. 2):
+    w* = -λ1 c / (λ1 Ω_tt + λ2), the head its coupled neighbours pull it to; None when R does not act on it."""
+    curvature = lam1 * omega_tt + lam2
+    return None if curvature == 0 else c * (-lam1 / curvature)
+
+
+def prox_weight(omega_tt: float, lam1: float, lam2: float, lr: float) -> float:
+    """κ = 2 lr (λ1 Ω_tt + λ2) / (1 + 2 lr (λ1 Ω_tt + λ2)): how far the proximal step moves a head to w*."""
+    k = 2 * lr * (lam1 * omega_tt + lam2)
+    return k / (1 + k)
+
+
 def prox_head(v: torch.Tensor, c: torch.Tensor, omega_tt: float, lam1: float, lam2: float,
-              lr: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """argmin_w r(w) + ||w - v||² / (2 lr), r(w) = λ1 (Ω_tt ||w||² + 2 wᵀc) + λ2 ||w||² (R as a function of one
-    head, Eq. 2): w = (v - 2 lr λ1 c) / (1 + 2 lr (λ1 Ω_tt + λ2)). ``out``: where to write it (``v`` itself in
-    a training step: two passes over the head, no temporaries)."""
-    w = torch.sub(v, c, alpha=2 * lr * lam1, out=out)
-    return w.div_(1 + 2 * lr * (lam1 * omega_tt + lam2))
+              lr: float) -> torch.Tensor:
+    """argmin_w r(w) + ||w - v||² / (2 lr) = (v - 2 lr λ1 c) / (1 + 2 lr (λ1 Ω_tt + λ2)): for a quadratic r, the
+    point κ of the way from v to r's minimizer w* (:func:`head_target`, :func:`prox_weight`)."""
+    target = head_target(c, omega_tt, lam1, lam2)
+    return v.clone() if target is None else torch.lerp(v, target, prox_weight(omega_tt, lam1, lam2, lr))
 
 
 class ProxHead:
-    """An optimizer: the run's step on the batch loss, then :func:`prox_head` on the head's entries."""
+    """An optimizer: the run's step on the batch loss, then :func:`prox_head` on the head's entries (w* and κ made
+    once: they hold for the round)."""
 
     def __init__(self, inner, head: list[torch.Tensor], coupling: torch.Tensor, omega_tt: float, lam1: float,
                  lam2: float, lr: float):
         self.inner = inner
-        self.omega_tt, self.lam1, self.lam2, self.lr = omega_tt, lam1, lam2, lr
-        self.pairs, offset = [], 0  # each head tensor with its part of the coupling
-        for t in head:
-            self.pairs.append((t, coupling[offset:offset + t.numel()].view_as(t)))
+        target = head_target(coupling, omega_tt, lam1, lam2)
+        self.weight = prox_weight(omega_tt, lam1, lam2, lr)
+        self.pairs, offset = [], 0  # each head tensor with its part of w*
+        for t in head if target is not None else ():
+            self.pairs.append((t, target[offset:offset + t.numel()].view_as(t)))
             offset += t.numel()
 
     def zero_grad(self, *args, **kwargs) -> None:
@@ -158,8 +175,8 @@ class ProxHead:
     @torch.no_grad()
     def step(self) -> None:
         self.inner.step()
-        for t, c in self.pairs:
-            prox_head(t, c, self.omega_tt, self.lam1, self.lam2, self.lr, out=t)
+        for t, target in self.pairs:
+            t.lerp_(target, self.weight)
 
 
 def head_range(model) -> slice:
@@ -182,12 +199,14 @@ def head_tensors(model, head: slice) -> list[torch.Tensor]:
     return out
 
 
-def set_head(model, values: list[torch.Tensor], head: slice):
-    """``model`` with its head's entries set to ``values`` (:func:`head_tensors` of another model, or their
-    copies): a shared body loaded into a model, this client's own head put on it."""
+def set_head(model, head: slice, values: torch.Tensor):
+    """``model`` with its head's entries set to ``values`` (a client's head, flat): the shared body loaded into
+    a model, this client's own head put on it."""
+    offset = 0
     with torch.no_grad():
-        for t, v in zip(head_tensors(model, head), values):
-            t.copy_(v)
+        for t in head_tensors(model, head):
+            t.copy_(values[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
     return model
 
 
@@ -233,8 +252,13 @@ class MochaServer(Server):
     def eval_messages(self, stage, rnd, cids):
         return dict.fromkeys(cids, {"models": {"global": self.global_ref}})
 
+    def final_model(self):
+        return self.global_ref
+
     def artifacts(self):
-        return {"omega": self.omega.copy(), "task_covariance": self.sigma.copy()}
+        """Ω and Σ; and every client's head, one row each: client c's personalized model is the final model
+        (the shared body) with its last layer's entries replaced by row c."""
+        return {"omega": self.omega.copy(), "task_covariance": self.sigma.copy(), "heads": self.W.T.copy()}
 
     def state_dict(self):
         return {"global": self.get([self.global_ref])[0], "W": self.W, "sigma": self.sigma, "omega": self.omega}
@@ -248,31 +272,44 @@ class MochaServer(Server):
 # ------------------------------------------------------------------------------------------- client
 
 class MochaClient(ClientLogic):
+    """A client keeps its head alone (``client.state["head"]``): the body it trains and is evaluated on is the
+    shared one of the round, so its head is all that is its own, and all that its snapshots hold."""
+
     # sample-level DP (rayfl.privacy): training is client.fit, DP-SGD on the data gradient; the proximal head step
     # then only post-processes it with the server's c_t and Ω_tt, themselves made from the clients' released heads
     private_training = True
+
     def step_locate(self, client, msg, models):
-        s = head_range(client.model)
+        s = head_range(client.scratch(client.initial))
         return {"start": s.start, "stop": s.stop}
+
+    def own_head(self, client, head: slice) -> torch.Tensor:
+        """Its head: the one it trained last, or the common initial model's last layer before it has trained."""
+        if "head" in client.state:
+            return torch.as_tensor(client.state["head"], device=client.device)
+        return client.initial[head]
+
+    def personal_model(self, client, models):
+        """The shared body with this client's own head: a working copy, the client's state untouched."""
+        model = client.scratch(models["global"])
+        head = head_range(model)
+        return set_head(model, head, self.own_head(client, head)), head
 
     def step_train(self, client, msg, models):
         """Shared body + own head; the run's local epochs on the mean loss, with R's proximal step on the head."""
         p, s = self.params, client.settings
-        head = head_range(client.model)
-        own = [t.detach().clone() for t in head_tensors(client.model, head)]
-        model = set_head(client.load(models["global"]), own, head)  # the shared body, its own head
+        model, head = self.personal_model(client, models)
         coupling = torch.as_tensor(np.asarray(msg["coupling"], dtype=np.float32), device=client.device)
         inner = training.optimizer_for(model, s.optimizer, s.lr, s.momentum, s.weight_decay)
         opt = ProxHead(inner, head_tensors(model, head), coupling, float(msg["omega_tt"]), p.lam1, p.lam2, s.lr)
-        result = client.fit(optimizer=opt)
-        vec = client.vector()
-        return {"weights": vec, "head": vec[head].copy(), **result}
+        result = client.fit(model, optimizer=opt)
+        vec = client.vector(model)
+        client.state["head"] = vec[head].copy()
+        return {"weights": vec, "head": client.state["head"], **result}
 
     def step_evaluate(self, client, msg, models):
         """The shared body with the client's own head (its personalized model); the client is left as it was."""
-        head = head_range(client.model)
-        own = head_tensors(client.model, head)
-        return client.evaluate(set_head(client.scratch(models["global"]), own, head))
+        return client.evaluate(self.personal_model(client, models)[0])
 
 
 ALGORITHMS = [Algorithm("mocha", MochaParams, MochaServer, MochaClient,
