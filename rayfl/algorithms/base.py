@@ -30,7 +30,9 @@ An algorithm is one module in ``rayfl/algorithms/`` that defines three things an
     ``eval_weights`` and keeps the default ``step_evaluate``: a host then evaluates all its clients that
     share those weights together, in one forward pass where their splits are small.
     ``client.model`` is the client's personal model, made on first use; a step that trains a working copy
-    that is not the client's own (FedAvg) uses ``client.scratch(vec)`` and so keeps no personal weights.
+    that is not the client's own (FedAvg) uses ``client.scratch(vec)`` and so keeps no personal weights; a
+    client whose own part is small (MOCHA's head on the shared body) keeps that part in ``client.state`` and
+    trains a scratch copy, so that its snapshots (every round, for fault replay) hold only that part.
     Two optional class attributes declare what the platform may do around a logic's steps:
     ``private_training`` (True where its training is ``client.fit``, so differential privacy's sample-level
     path applies, else a string saying why not: :mod:`rayfl.privacy`) and ``local_buffers = True`` (its clients

@@ -226,7 +226,9 @@ class CFLServer(Server):
         base = dict(zip(nodes, self.get([self.models[v] for v in nodes])))
         trained = dict(zip(ids, self.get([ups[c]["weights"] for c in ids])))
         n = np.array([float(ups[c]["n"]) for c in ids])
-        deltas = np.stack([trained[c] - base[v] for c, v in zip(ids, start)])  # Δθ_i (float32)
+        deltas = np.empty((len(ids), np.size(trained[ids[0]])), np.float32)  # Δθ_i, one row each, written in place
+        for row, c, v in zip(deltas, ids, start):
+            np.subtract(trained[c], base[v], out=row)
         alpha = cosine_similarities(deltas)
         self.last_ids, self.last_alpha = np.array(ids, dtype=np.int64), alpha
         mean_norms, max_norms, splits = [], [], 0
