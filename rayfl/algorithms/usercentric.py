@@ -14,14 +14,15 @@ personalization, and identical users (Δ = 0) give w_ij = n_j / Σn: FedAvg.
 Choices where the paper is silent (§III-A gives neither θ̂ nor the σ² batches), written down here:
 - θ̂ is the common initial model; W and the clustering are computed once and never again.
 - σ² batches: n_k = ``sigma_batch`` (0: the run's batch size), K = floor(n_i / n_k) contiguous batches of the
-  (already shuffled) training split, remainder dropped; n_k is halved for users with fewer than 2 n_k samples
-  so that K >= 2. σ is floored at 1e-12 so a user with one sample becomes "local only", not a NaN.
+  (already shuffled) training split, remainder dropped; n_k is capped at n_i / 2 for users with fewer than
+  2 n_k samples so that K >= 2. σ is floored at 1e-12 so a user with one sample becomes "local only", not a NaN.
   n_k sets how sharp W is (σ² of a batch-mean gradient shrinks like 1/n_k). Measured at θ̂ on MNIST-t10k,
   20 users in 4 rotation groups, seed 0, from training gradients only (no evaluation): W's mass on the user
-  itself / same-group others / other groups is .07/.24/.69 at n_k = 32 (a usual batch), .27/.43/.31 at 128
-  and .33/.43/.24 at 512; with S2's Dirichlet(0.4) label shift on top it is .06/.20/.74 at n_k = 1,
-  .16/.19/.66 at 8, .73/.07/.20 at 32 and 1.00/.00/.00 at 128 (W = I: local training). Under label shift no
-  n_k gives W the rotation groups (same-group others hold about their 4/19 share). On validation (the S2
+  itself / same-group others / other groups is .07/.26/.67 at n_k = 32 (a usual batch), .32/.51/.17 at 128
+  and .37/.51/.12 at 512 (k-means on W finds the 4 groups at every n_k); with S2's Dirichlet(0.4) label shift
+  on top it is .05/.20/.75 at n_k = 1, .09/.20/.70 at 8, .43/.17/.39 at 32 and .99/.01/.00 at 128 (W = I:
+  local training). Under label shift no n_k gives W the rotation groups (same-group others hold about their
+  4/19 share; the gradients differ by the users' label mixes, not their rotations). On validation (the S2
   preset, 3 seeds, 10 rounds, benchmarks/results_compare.md) the run's batch size beat n_k = 8 at k = 4 and
   k = m, so it stays the default; ``sigma_batch`` is swept in tune_spaces/usercentric.yaml.
 - Gradients are over all trainable parameters, of the mean-reduced loss, in float64.
