@@ -100,7 +100,7 @@ def flat_gradient(model: nn.Module, loss: torch.Tensor, keep: bool = True) -> to
     """∂loss/∂v for v the model's weight vector (rayfl.training.to_vector's order); 0 for buffers, frozen and
     unused parameters. ``keep=False``: a flattened model's own gradient buffer, valid until its next gradient
     (for a caller that uses it at once)."""
-    if getattr(model, "_rayfl_flat", None) is not None:  # a flattened model: backward into its flat buffer
+    if training.flat_weights(model) is not None:  # a flattened model: backward into its flat buffer
         grad = training.flat_grad(model)  # zeroed; every trainable parameter's .grad is a view of it
         loss.backward()
         return grad.clone() if keep else grad  # the buffer is reused by the next call

@@ -447,7 +447,15 @@ def _run(meta: dict, quiet: bool, resume: bool) -> int:
                                 callbacks=[progress, ledger_callback(meta["sweep_dir"], records)],
                                 # a trial whose own process died is retried, from its own checkpoint
                                 failure_config=tune.FailureConfig(max_failures=int(meta["base"].get("max_restarts", 3))))
-    status = "FAILED"
+    from rayfl.tracking_outbox import answers, kept_line, server_address
+
+    def server_answers() -> bool:  # asked once, when the trials are over (or the sweep was stopped)
+        nonlocal reachable
+        if reachable is None:
+            reachable = answers(server_address(meta["tracking_uri"]), timeout=3.0)
+        return reachable
+
+    status, reachable = "FAILED", None
     try:
         if num_samples:  # a fresh Tuner, resumed or not: never Tuner.restore (it unpickles the sweep's files)
             tuner = tune.Tuner(
@@ -459,10 +467,7 @@ def _run(meta: dict, quiet: bool, resume: bool) -> int:
                     reuse_actors=True),  # an in-process trial's process, imports and data cache serve the next
                 run_config=run_config)
             tuner.fit()
-        from rayfl.tracking_outbox import answers, server_address
-
-        reachable = answers(server_address(meta["tracking_uri"]), timeout=3.0)
-        code = _finish(meta, read_records(meta["sweep_dir"], meta["swept"]), client if reachable else None)
+        code = _finish(meta, read_records(meta["sweep_dir"], meta["swept"]), client if server_answers() else None)
         status = "FINISHED" if code == 0 else "FAILED"
         return code
     except KeyboardInterrupt:
@@ -470,9 +475,7 @@ def _run(meta: dict, quiet: bool, resume: bool) -> int:
         print(f"rayfl tune: interrupted; go on with: rayfl tune --resume {meta['sweep_dir']}", file=sys.stderr)
         return 130
     finally:
-        from rayfl.tracking_outbox import answers, kept_line, server_address
-
-        if answers(server_address(meta["tracking_uri"]), timeout=3.0):
+        if server_answers():
             _close_children(client, meta)
             client.set_terminated(meta["parent_run_id"], status)
         else:  # gone: the parent run is left as it is; the results are in the sweep directory
