@@ -162,6 +162,13 @@ class Client:
             self._bench.release()
         return None if self._weights is None else self._weights.cpu().numpy().copy()
 
+    def personal(self) -> torch.Tensor:
+        """The personal weights, flat, without a copy (the common initial model's while it has none): read only,
+        to load into a working copy (``scratch``)."""
+        if self._bench.owner is self:
+            self._bench.release()
+        return self._weights if self._weights is not None else self._bench.initial
+
     def set_weights(self, vec: np.ndarray | None) -> None:
         """Replace the personal weights (None: back to the common initial model), as a restore does."""
         if self._bench.owner is self:

@@ -52,14 +52,19 @@ def to_vector(model: nn.Module) -> np.ndarray:
         return torch.cat(parts).cpu().numpy()
 
 
+def as_tensor(vec) -> torch.Tensor:
+    """A numpy or torch vector as a tensor, without a copy where none is needed: for reading only (an array
+    from Ray's object store is read-only and shares its memory)."""
+    if isinstance(vec, torch.Tensor):
+        return vec
+    with warnings.catch_warnings():  # object-store arrays are read-only; we only read them
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.as_tensor(np.asarray(vec))
+
+
 def load_vector(model: nn.Module, vec) -> nn.Module:
     """Copy a flat vector made by :func:`to_vector` (numpy or torch) into the model, in place."""
-    if isinstance(vec, torch.Tensor):
-        src = vec
-    else:
-        with warnings.catch_warnings():  # object-store arrays are read-only; we only read them
-            warnings.simplefilter("ignore", UserWarning)
-            src = torch.as_tensor(np.asarray(vec))
+    src = as_tensor(vec)
     flat = getattr(model, "_rayfl_flat", None)
     if flat is not None:
         if src is flat:  # the model's own weights: already there

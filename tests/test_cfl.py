@@ -18,7 +18,7 @@ from rayfl import snapshot
 from rayfl.algorithms.base import RunInfo, Stage
 from rayfl.algorithms.cfl import (CFLClient, CFLParams, CFLServer, accept_split, bipartition, branch_direction,
                                   cluster_average, cosine_similarities, cross_similarity, gamma_bound, route,
-                                  split_criterion, update_norms)
+                                  mean_update_norm, split_criterion, update_norm)
 from rayfl.client import Client, TrainSettings
 from rayfl.experiment import prepare
 from rayfl.loop import Loop
@@ -40,14 +40,16 @@ def test_cosine_similarity_on_hand_made_updates():
     assert cosine_similarities(np.array([[1e-3, 2e-3]] * 2)).max() <= 1.0  # clipped: never just above 1
 
 
-def test_norms_are_the_weighted_mean_update_and_the_largest_update():
-    d = np.array([[3.0, 0.0], [0.0, 4.0]])
-    mean_norm, max_norm = update_norms(d, np.array([1, 3]))
-    # Σ n_i Δθ_i / Σ n_i = (0.75, 3): norm √9.5625; the plain mean (1.5, 2) would give 2.5, the mean of
-    # the norms 3.5
-    assert mean_norm == pytest.approx(math.sqrt(9.5625))
-    assert max_norm == 4.0
-    assert update_norms(np.array([[1.0, 0.0], [-1.0, 0.0]]), np.array([5, 5])) == (0.0, 1.0)  # cancel out
+def test_norms_are_the_weighted_mean_update_and_each_update():
+    start = np.array([1.0, 1.0], np.float32)
+    trained = [start + np.array([3.0, 0.0], np.float32), start + np.array([0.0, 4.0], np.float32)]
+    assert [update_norm(t, start) for t in trained] == [3.0, 4.0]
+    # Σ n_i Δθ_i / Σ n_i with n = (1, 3) = (0.75, 3): norm √9.5625; the plain mean (1.5, 2) would give 2.5, the
+    # mean of the norms 3.5
+    assert mean_update_norm(cluster_average(trained, [1, 3]), start) == pytest.approx(math.sqrt(9.5625))
+    opposite = [start + np.array([1.0, 0.0], np.float32), start - np.array([1.0, 0.0], np.float32)]
+    assert mean_update_norm(cluster_average(opposite, [5, 5]), start) == 0.0  # they cancel out
+    assert update_norm(np.array([3.0, 4.0], np.float32), np.zeros(2, np.float32)) == 5.0
 
 
 def test_split_criterion_each_inequality_on_both_sides():
@@ -160,7 +162,8 @@ def fake_call(deltas: dict, n: dict | None = None, sent: dict | None = None):
             sent.clear()
             sent.update(messages)
         return {c: {"weights": (m["models"]["cluster"] + np.array(deltas[c], np.float32)).astype(np.float32),
-                    "n": (n or {}).get(c, 10), "train_loss": 1.0} for c, m in messages.items()}
+                    "update_norm": math.hypot(*deltas[c]), "n": (n or {}).get(c, 10), "train_loss": 1.0}
+                for c, m in messages.items()}
 
     return call
 
@@ -302,6 +305,24 @@ def test_artifacts_same_cluster_and_last_similarities():
     assert one.final_model() is one.models[0]  # one cluster: FedAvg's global model
 
 
+def test_similarities_are_formed_where_a_cluster_meets_the_criterion_and_in_the_last_round():
+    srv = make_server(k=4, eps1=0.1)  # ||Δθ_c|| = 0.34 > ε1: the criterion never holds
+    formed = []
+    similarities = srv.similarities
+    srv.similarities = lambda *a: formed.append(a[0]) or similarities(*a)
+    for rnd in range(4):  # rounds 0-3 of 5: nothing reads α
+        srv.run_round(Stage("train", 5), rnd, [0, 1, 2, 3], fake_call(AWAY, N))
+    assert formed == [] and srv.last_alpha.shape == (0, 0)
+    srv.run_round(Stage("train", 5), 4, [0, 1, 3], fake_call(AWAY, N))  # the last round: reported
+    assert formed == [[0, 1, 3]]
+    np.testing.assert_allclose(srv.last_alpha, cosine_similarities(np.array([AWAY[c] for c in (0, 1, 3)])))
+    assert srv.last_ids.tolist() == [0, 1, 3] and srv.split_at == [-1]
+    srv = make_server(k=4)  # the criterion holds in round 0: formed once, for the split
+    srv.similarities = lambda *a: formed.append(a[0]) or similarities(*a)
+    srv.run_round(Stage("train", 5), 0, [0, 1, 2, 3], fake_call(AWAY, N))
+    assert formed[1:] == [[0, 1, 2, 3]] and srv.split_at[0] == 0
+
+
 # ------------------------------------------------------------------------------------------- client side
 
 def tiny_client():
@@ -318,6 +339,8 @@ def test_client_trains_a_copy_of_its_cluster_model_and_is_evaluated_on_it():
     cluster = np.linspace(-1, 1, 8).astype(np.float32)
     up = logic.step_train(client, {}, {"cluster": cluster})
     assert up["n"] == 20 and up["weights"].shape == (8,) and not np.array_equal(up["weights"], cluster)
+    step = [float(a) - float(b) for a, b in zip(up["weights"], cluster)]  # ||θ_i - θ_c||, its update's norm
+    assert up["update_norm"] == pytest.approx(math.sqrt(sum(v * v for v in step)), rel=1e-12)
     assert client.weights() is None  # no personal model: a working copy was trained
     assert logic.eval_weights({}, {"cluster": cluster}) is cluster
 

@@ -13,7 +13,8 @@ from conftest import tiny
 from rayfl import training
 from rayfl.algorithms.base import RunInfo, Stage
 from rayfl.algorithms.layers import layer_slices
-from rayfl.algorithms.fedper import (FedPerClient, FedPerParams, FedPerServer, base_mask, split_size, with_shared)
+from rayfl.algorithms.fedper import (FedPerClient, FedPerParams, FedPerServer, base_mask, shared_ranges, split_size,
+                                   with_shared)
 from rayfl.client import Bench, Client, TrainSettings
 from rayfl.experiment import prepare
 from rayfl.loop import Loop
@@ -37,11 +38,21 @@ def five_layers():
 # ------------------------------------------------------------------------------------------- the split
 
 def test_with_shared_takes_the_shared_entries_and_keeps_the_rest():
-    own = np.array([1.0, 2.0, 3.0, 4.0], np.float32)
-    received = np.array([10.0, 20.0, 30.0, 40.0], np.float32)
-    got = with_shared(own, received, np.array([True, False, True, False]))
-    np.testing.assert_array_equal(got, [10.0, 2.0, 30.0, 4.0])
-    np.testing.assert_array_equal(own, [1.0, 2.0, 3.0, 4.0])  # the client's vector is not written to
+    own = np.array([1.0, 2.0, 3.0, 4.0, 5.0], np.float32)
+    received = np.array([10.0, 20.0, 30.0, 40.0, 50.0], np.float32)
+    got = with_shared(own, received, [slice(0, 1), slice(2, 4)])
+    assert got is own  # the working copy, written in place
+    np.testing.assert_array_equal(own, [10.0, 2.0, 30.0, 40.0, 5.0])
+    own_t = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])
+    with_shared(own_t, torch.from_numpy(received), [slice(3, 5)])
+    np.testing.assert_array_equal(own_t.numpy(), [1.0, 2.0, 3.0, 40.0, 50.0])
+
+
+def test_shared_ranges_are_the_masks_runs_of_true():
+    assert shared_ranges(np.array([True, False, True, True, False])) == [slice(0, 1), slice(2, 4)]
+    assert shared_ranges(np.array([False, True, True])) == [slice(1, 3)]
+    assert shared_ranges(np.array([True] * 6 + [False] * 6)) == [slice(0, 6)]
+    assert shared_ranges(np.zeros(4, bool)) == []
 
 
 def test_the_base_is_every_layer_but_the_top_k_p():
@@ -152,6 +163,19 @@ def test_the_mask_is_made_once_per_host_from_its_model():
             logic.step_evaluate(cs[c], msg, msg["models"])
     assert len(made) == 1 and made[0] is bench.resident  # the client's own model, once
     assert all(c.state == {} for c in cs)
+
+
+def test_taking_the_shared_part_writes_only_the_base_into_flat_and_plain_models():
+    c = crafted_client()
+    logic = FedPerClient(FedPerParams())  # mlp of 2 layers: K_P = 1, the base is the first 6 entries
+    own = np.arange(12, dtype=np.float32)
+    received = np.arange(100, 112, dtype=np.float32)
+    received.flags.writeable = False  # as Ray's object store hands it over
+    expect = np.concatenate([received[:6], own[6:]])
+    for model in (training.flatten(two_layers()), two_layers()):  # the flat fast path, the general one
+        training.load_vector(model, own)
+        assert logic.take_shared(c, model, received) is model
+        np.testing.assert_array_equal(training.to_vector(model), expect)
 
 
 # ------------------------------------------------------------------------------------------- evaluation

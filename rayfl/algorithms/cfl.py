@@ -30,7 +30,9 @@ Choices (where the paper is silent the authors' code, felisat/clustered-federate
   by default). Both use the Lance-Williams update here; ties go to the first pair in index order.
 - Averages are size-weighted, |D_i| / |D_c| (Sec. II's FL update); the code takes the plain mean both for the
   cluster update and for ||Δθ_c||. ||Δθ_c|| is the norm of the (weighted) mean update, not the mean of the
-  norms; max_i ||Δθ_i|| the largest single update norm.
+  norms, read off the cluster's average (Σ |D_i| Δθ_i / Σ |D_i| = Σ |D_i| θ_i / Σ |D_i| - θ_c, which the server
+  forms anyway); max_i ||Δθ_i|| the largest single update norm, each computed by its client (which holds θ_i
+  and θ_c) and uploaded beside θ_i, so that the server does not pass over every update again.
 - ε1 = 0.4, ε2 = 1.6, no split before round 20 and only clusters of more than 2 clients: the code's values
   (its EMNIST demo); the paper gives no universal ε (they depend on model, lr and local steps) and no
   warm-up or minimum size. ``min_split_size=2`` and ``min_rounds=0`` are the paper's Algorithm 2 as written.
@@ -53,6 +55,9 @@ Choices (where the paper is silent the authors' code, felisat/clustered-federate
   updates of the child's members at the split (the paper does not say how a branch's updates are compared;
   two vectors per split are kept). Its update, made from θ*_c, is averaged into no cluster that round.
 - An update of norm 0 (a client with no training data) has cosine similarity 0 with every update.
+- The similarities α are formed in a round where some cluster meets the criterion, as Algorithm 2 forms them,
+  and in the run's last round (the code forms them every round, to show them): the ``similarity`` artifact
+  holds those of the last round that formed them, the run's last unless it stopped early.
 """
 
 from __future__ import annotations
@@ -110,14 +115,17 @@ def cosine_similarities(deltas: np.ndarray) -> np.ndarray:
     return np.clip(alpha, -1.0, 1.0)
 
 
-def update_norms(deltas: np.ndarray, n: np.ndarray) -> tuple[float, float]:
-    """(||Δθ_c||, max_i ||Δθ_i||): the norm of the size-weighted mean update Σ |D_i| Δθ_i / Σ |D_i| (Sec. II)
-    and the largest single update norm: what the criterion reads (Sec. III, congruent vs incongruent clients)."""
-    total = np.zeros(np.shape(deltas)[1])
-    for row, w in zip(deltas, n):
-        total += np.multiply(row, w, dtype=np.float64)
-    mean_norm = np.linalg.norm(total) / np.sum(n, dtype=np.float64)
-    return float(mean_norm), float(np.linalg.norm(deltas, axis=1).max())
+def update_norm(trained: np.ndarray, start: np.ndarray) -> float:
+    """||Δθ_i|| = ||θ_i - θ_c|| in float64: one client's update norm, the criterion's max_i ||Δθ_i|| (Sec. III,
+    congruent vs incongruent clients). Computed by the client, which holds both vectors."""
+    d = np.subtract(trained, start, dtype=np.float64)
+    return float(np.sqrt(d @ d))
+
+
+def mean_update_norm(average: np.ndarray, start: np.ndarray) -> float:
+    """||Δθ_c|| = ||Σ |D_i| Δθ_i / Σ |D_i||| (Sec. II's FL update) = ||Σ |D_i| θ_i / Σ |D_i| - θ_c||: the cluster
+    average's step away from the model its clients trained from, what the criterion reads as stationarity."""
+    return update_norm(average, start)
 
 
 def split_criterion(mean_norm: float, max_norm: float, eps1: float, eps2: float) -> bool:
@@ -226,44 +234,65 @@ class CFLServer(Server):
         base = dict(zip(nodes, self.get([self.models[v] for v in nodes])))
         trained = dict(zip(ids, self.get([ups[c]["weights"] for c in ids])))
         n = np.array([float(ups[c]["n"]) for c in ids])
-        deltas = np.empty((len(ids), np.size(trained[ids[0]])), np.float32)  # Δθ_i, one row each, written in place
-        for row, c, v in zip(deltas, ids, start):
-            np.subtract(trained[c], base[v], out=row)
-        alpha = cosine_similarities(deltas)
-        self.last_ids, self.last_alpha = np.array(ids, dtype=np.int64), alpha
+        norms = np.array([float(ups[c]["update_norm"]) for c in ids])
+        deltas = alpha = None  # Δθ_i and α_{i,j}: formed when a cluster meets the criterion (Algorithm 2)
         mean_norms, max_norms, splits = [], [], 0
         for node in nodes:
             rows = [r for r, v in enumerate(start) if v == node]
             if self.split_at[node] >= 0:  # clients that missed this node's split: one step down the tree
                 for r in rows:
-                    self.node_of[ids[r]] = self.children(node)[route(deltas[r], self.directions[node])]
+                    delta = np.subtract(trained[ids[r]], base[node])
+                    self.node_of[ids[r]] = self.children(node)[route(delta, self.directions[node])]
                 continue
-            if n[rows].sum() <= 0:  # nobody with training data: the model stays
+            average = self.average(rows, ids, trained, n)
+            if average is None:  # nobody with training data: the model stays
                 continue
-            mean_norm, max_norm = update_norms(deltas[rows], n[rows])
+            mean_norm, max_norm = mean_update_norm(average, base[node]), float(norms[rows].max())
             mean_norms.append(mean_norm)
             max_norms.append(max_norm)
-            halves = None
+            groups = [(rows, node)]
             if (rnd >= self.params.min_rounds and len(rows) >= self.params.min_split_size
                     and split_criterion(mean_norm, max_norm, self.params.eps1, self.params.eps2)):
+                if alpha is None:
+                    deltas, alpha = self.similarities(ids, start, trained, base)
                 sub = alpha[np.ix_(rows, rows)]
                 c1, c2 = bipartition(sub, self.params.linkage)
                 cross = cross_similarity(sub, c1, c2)
                 if accept_split(cross, self.params.gamma_max):
                     halves = [[rows[i] for i in c1], [rows[i] for i in c2]]
                     self.split(node, rnd, halves, deltas, [cross, gamma_bound(cross), mean_norm, max_norm])
-                    splits += 1
-            for group, target in zip(halves or [rows], self.children(node) if halves else [node]):
-                weighted = [r for r in group if n[r] > 0]
-                if weighted:
-                    self.models[target] = self.put(cluster_average([trained[ids[r]] for r in weighted],
-                                                                   list(n[weighted])))
+                    groups, average, splits = list(zip(halves, self.children(node))), None, splits + 1
+            if average is not None:  # no split: FedAvg's step within the cluster
+                self.models[node] = self.put(average)
+            for group, target in groups:
+                if target != node:  # a new child: the average of its own half's updates
+                    half = self.average(group, ids, trained, n)
+                    if half is not None:
+                        self.models[target] = self.put(half)
                 for r in group:
                     self.node_of[ids[r]] = target
+        if alpha is None and rnd == self.info.rounds - 1:  # the run's last round: its similarities are reported
+            _, alpha = self.similarities(ids, start, trained, base)
+        if alpha is not None:
+            self.last_ids, self.last_alpha = np.array(ids, dtype=np.int64), alpha
         return {"train_loss": weighted_mean(ups, "train_loss"), "clusters": len(self.leaves()), "splits": splits,
                 "awaiting_routing": int(sum(self.split_at[v] >= 0 for v in self.node_of.tolist())),
                 "mean_update_norm": max(mean_norms, default=float("nan")),  # max over clusters of ||Δθ_c||
                 "max_update_norm": max(max_norms, default=float("nan"))}  # max over participants of ||Δθ_i||
+
+    @staticmethod
+    def similarities(ids: list[int], start: list[int], trained: dict, base: dict) -> tuple[np.ndarray, np.ndarray]:
+        """The round's updates Δθ_i = θ_i - θ_c, one row each, and their cosine similarities α_{i,j}."""
+        deltas = np.empty((len(ids), np.size(trained[ids[0]])), np.float32)  # written in place, row by row
+        for row, c, v in zip(deltas, ids, start):
+            np.subtract(trained[c], base[v], out=row)
+        return deltas, cosine_similarities(deltas)
+
+    @staticmethod
+    def average(rows: list[int], ids: list[int], trained: dict, n: np.ndarray):
+        """The size-weighted average of these participants' trained models, or None when none has training data."""
+        weighted = [r for r in rows if n[r] > 0]
+        return cluster_average([trained[ids[r]] for r in weighted], list(n[weighted])) if weighted else None
 
     def split(self, node: int, rnd: int, halves: list[list[int]], deltas: np.ndarray, stats: list[float]) -> None:
         """Node becomes a split node (its model, θ*_c, is kept) with two new leaves, one per half."""
@@ -332,7 +361,8 @@ class CFLClient(ClientLogic):
         a CFL client keeps no weights of its own."""
         model = client.scratch(models["cluster"])
         result = client.fit(model)
-        return {"weights": client.share(client.vector(model)), **result}
+        trained = client.vector(model)
+        return {"weights": client.share(trained), "update_norm": update_norm(trained, models["cluster"]), **result}
 
     def eval_weights(self, msg, models):
         return models["cluster"]  # the client's cluster model (a split node's θ*_c while awaiting routing)

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rayfl import training
 from rayfl.algorithms.base import Algorithm
 from rayfl.algorithms.baselines import FedAvgClient, FedAvgServer
 from rayfl.algorithms.layers import layer_slices, top_mask
@@ -93,10 +94,20 @@ def base_mask(model, k_p: int) -> np.ndarray:
     return ~top_mask(model, split_size(k_p, len(layer_slices(model))))
 
 
-def with_shared(own: np.ndarray, received: np.ndarray, shared: np.ndarray) -> np.ndarray:
-    """A client's model on receiving the global vector: its shared entries from ``received``, the others its
-    own (FedPer's client receiving W_B, LG-FedAvg's device receiving θ^g)."""
-    return np.where(shared, received, own)
+def shared_ranges(mask: np.ndarray) -> list[slice]:
+    """A mask's True entries as contiguous ranges (one range for FedPer's base and for LG-FedAvg's head), so that
+    taking the shared part copies those entries and nothing else."""
+    edges = np.flatnonzero(np.diff(np.concatenate([[False], np.asarray(mask, bool), [False]]).astype(np.int8)))
+    return [slice(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2])]
+
+
+def with_shared(own, received, shared: list[slice]):
+    """A client's model on receiving the global vector, written into ``own`` (its working copy, numpy or torch
+    as ``received``): the shared entries (``shared``, ranges) from ``received``, the others its own (FedPer's
+    client receiving W_B, LG-FedAvg's device receiving θ^g)."""
+    for s in shared:
+        own[s] = received[s]
+    return own
 
 
 # ------------------------------------------------------------------------------------------- driver
@@ -116,28 +127,36 @@ class SplitClient(FedAvgClient):
 
     def __init__(self, params):
         super().__init__(params)
-        self.shared: np.ndarray | None = None  # which entries are shared; made once per host from its model
+        self.shared: list[slice] | None = None  # the shared entries' ranges; made once per host from its model
 
     def shared_mask(self, model) -> np.ndarray:
         """True on the entries the server's average overwrites (each algorithm says which)."""
         raise NotImplementedError
 
-    def mask(self, client) -> np.ndarray:
+    def ranges(self, client) -> list[slice]:
         if self.shared is None:
-            self.shared = self.shared_mask(client.model)
+            self.shared = shared_ranges(self.shared_mask(client.model))
         return self.shared
+
+    def take_shared(self, client, model, received):
+        """``model`` (holding the client's own weights) with the received shared part written in, in place."""
+        flat = training.flat_weights(model)
+        if flat is None:  # a module that flatten left alone (tied weights): through a vector
+            return client.load(with_shared(client.vector(model), received, self.ranges(client)), model)
+        with_shared(flat.data, training.as_tensor(received), self.ranges(client))
+        return model
 
     def step_train(self, client, msg, models):
         """Receive the shared part, train the whole model locally, upload it (the client and server algorithms'
         client side)."""
-        model = client.load(with_shared(client.vector(), models["global"], self.mask(client)))
+        model = self.take_shared(client, client.model, models["global"])
         result = client.fit(model)
         return {"weights": client.vector(model), **result}
 
     def step_evaluate(self, client, msg, models):
-        """The personalized model: the client's own entries under the current global shared part."""
-        personal = with_shared(client.vector(), models["global"], self.mask(client))
-        return client.evaluate(client.scratch(personal))
+        """The personalized model: the client's own entries under the current global shared part, in a working
+        copy (evaluation leaves the client as it was)."""
+        return client.evaluate(self.take_shared(client, client.scratch(client.personal()), models["global"]))
 
 
 class FedPerClient(SplitClient):
