@@ -112,7 +112,7 @@ class ClientHost:
                     eps = privacy.client_epsilon(self.clients[cid])
                     if eps is not None:
                         up["dp_epsilon"] = eps
-                accumulate(reduce, up, partial)
+                accumulate(reduce, up, partial, msg)
                 uploads.append(up)
         finally:
             self.bench.end_call()

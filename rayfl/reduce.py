@@ -17,10 +17,13 @@ import numpy as np
 
 @dataclass(frozen=True)
 class WeightedMean:
-    """Σ_k w_k v_k / Σ_k w_k of upload field ``key``, with w_k the upload's field ``by`` (float64 sums)."""
+    """Σ_k w_k v_k / Σ_k w_k of upload field ``key``, with w_k the upload's field ``by`` (float64 sums). With
+    ``group``, one such mean per value of the *message* field ``group`` (one FedAvg per cluster or latent group):
+    the reduced field is then {value: mean} over the groups with a positive total weight."""
 
     key: str = "weights"
     by: str = "n"
+    group: str | None = None
 
 
 @dataclass(frozen=True)
@@ -43,12 +46,13 @@ class Uploads(dict):
         self.reduced = reduced or {}
 
 
-Partial = dict  # field -> (Σ w_k v_k as float64, Σ w_k), one per host
+Partial = dict  # field (or (field, group)) -> (Σ w_k v_k as float64, Σ w_k), one per host
 
 
-def accumulate(reduce: WeightedMean | None, upload: dict, partial: Partial) -> None:
+def accumulate(reduce: WeightedMean | None, upload: dict, partial: Partial, message: dict | None = None) -> None:
     """Move one upload's reduced field into the host's running partial sum (in place); an upload without
-    the field (a client that only evaluated) adds nothing."""
+    the field (a client that only evaluated) adds nothing. ``message``: what the client was sent (a grouped
+    mean reads its group there)."""
     if reduce is None or reduce.key not in upload:
         return
     if isinstance(reduce, ClippedSum):
@@ -56,14 +60,15 @@ def accumulate(reduce: WeightedMean | None, upload: dict, partial: Partial) -> N
         return
     vec = np.asarray(upload.pop(reduce.key))
     w = float(upload[reduce.by])
-    total, weight = partial.get(reduce.key, (None, 0.0))
+    slot = reduce.key if reduce.group is None else (reduce.key, message[reduce.group])
+    total, weight = partial.get(slot, (None, 0.0))
     if w > 0:
         if total is None:
             total = np.multiply(vec, w, dtype=np.float64)  # w v_k in float64 too: no float32 rounding
         else:
             _add_scaled(total, vec, w)
         weight += w
-    partial[reduce.key] = (total, weight)
+    partial[slot] = (total, weight)
 
 
 def _add_clipped(reduce: ClippedSum, vec: np.ndarray, partial: Partial) -> None:
@@ -93,21 +98,32 @@ def combine(reduce: WeightedMean | None, partials: list[Partial]) -> dict:
     if isinstance(reduce, ClippedSum):  # the clipped total as it is (None without uploads): noised by the loop
         parts = [part[reduce.key][0] for part in partials if part.get(reduce.key, (None,))[0] is not None]
         return {reduce.key: sum(parts[1:], parts[0].copy()) if parts else None}
+    if reduce.group is not None:
+        groups = sorted({slot[1] for part in partials for slot in part if isinstance(slot, tuple) and slot[0] == reduce.key})
+        means = {g: _mean(partials, (reduce.key, g)) for g in groups}
+        return {reduce.key: {g: mean for g, mean in means.items() if mean is not None}}
+    mean = _mean(partials, reduce.key)
+    if mean is None:
+        raise ValueError(f"WeightedMean({reduce.key!r}) needs at least one upload with positive {reduce.by!r}")
+    return {reduce.key: mean}
+
+
+def _mean(partials: list[Partial], slot) -> np.ndarray | None:
+    """One slot's partial sums added in host order and divided once, back to float32; None without weight."""
     total, weight = None, 0.0
     for part in partials:
-        t, w = part.get(reduce.key, (None, 0.0))
+        t, w = part.get(slot, (None, 0.0))
         if t is not None:
             total = t.copy() if total is None else total + t
             weight += w
-    if total is None or weight <= 0:
-        raise ValueError(f"WeightedMean({reduce.key!r}) needs at least one upload with positive {reduce.by!r}")
-    return {reduce.key: (total / weight).astype(np.float32)}
+    return None if total is None or weight <= 0 else (total / weight).astype(np.float32)
 
 
-def reduce_uploads(reduce: WeightedMean | None, uploads: dict) -> Uploads:
-    """Uploads reduced as one host would (for fakes of ``call`` in tests and one-process tools)."""
+def reduce_uploads(reduce: WeightedMean | None, uploads: dict, messages: dict | None = None) -> Uploads:
+    """Uploads reduced as one host would (for fakes of ``call`` in tests and one-process tools); ``messages``:
+    what each client was sent, for a grouped mean."""
     partial: Partial = {}
     uploads = {c: dict(u) for c, u in uploads.items()}
-    for up in uploads.values():
-        accumulate(reduce, up, partial)
+    for c, up in uploads.items():
+        accumulate(reduce, up, partial, (messages or {}).get(c))
     return Uploads(uploads, reduced=combine(reduce, [partial]))

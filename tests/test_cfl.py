@@ -22,6 +22,7 @@ from rayfl.algorithms.cfl import (CFLClient, CFLParams, CFLServer, accept_split,
 from rayfl.client import Client, TrainSettings
 from rayfl.experiment import prepare
 from rayfl.loop import Loop
+from rayfl.reduce import reduce_uploads
 from rayfl.runtime import LocalRuntime
 
 S2 = 1 / math.sqrt(2)
@@ -156,14 +157,16 @@ def make_server(k=4, n_train=None, **params):
 def fake_call(deltas: dict, n: dict | None = None, sent: dict | None = None):
     """Clients that 'train' to their cluster model + a fixed update (exact in float32)."""
 
-    def call(step, messages):
+    def call(step, messages, reduce=None):
         assert step == "train"
         if sent is not None:
             sent.clear()
             sent.update(messages)
-        return {c: {"weights": (m["models"]["cluster"] + np.array(deltas[c], np.float32)).astype(np.float32),
-                    "update_norm": math.hypot(*deltas[c]), "n": (n or {}).get(c, 10), "train_loss": 1.0}
-                for c, m in messages.items()}
+        trained = {c: (m["models"]["cluster"] + np.array(deltas[c], np.float32)).astype(np.float32)
+                   for c, m in messages.items()}
+        return reduce_uploads(reduce, {c: {"weights": trained[c], "trained": trained[c], "n": (n or {}).get(c, 10),
+                                           "update_norm": math.hypot(*deltas[c]), "train_loss": 1.0}
+                                       for c in messages}, messages)
 
     return call
 
@@ -339,6 +342,7 @@ def test_client_trains_a_copy_of_its_cluster_model_and_is_evaluated_on_it():
     cluster = np.linspace(-1, 1, 8).astype(np.float32)
     up = logic.step_train(client, {}, {"cluster": cluster})
     assert up["n"] == 20 and up["weights"].shape == (8,) and not np.array_equal(up["weights"], cluster)
+    np.testing.assert_array_equal(up["trained"], up["weights"])  # θ_i, left for the server beside the host's sum
     step = [float(a) - float(b) for a, b in zip(up["weights"], cluster)]  # ||θ_i - θ_c||, its update's norm
     assert up["update_norm"] == pytest.approx(math.sqrt(sum(v * v for v in step)), rel=1e-12)
     assert client.weights() is None  # no personal model: a working copy was trained

@@ -41,6 +41,28 @@ def test_weighted_mean_of_unequal_clients_by_hand():
         combine(WeightedMean(), [{}])
 
 
+def test_grouped_weighted_mean_by_hand():
+    v = {0: np.array([1.0, 0.0], np.float32), 1: np.array([4.0, 2.0], np.float32), 2: np.array([0.0, 8.0], np.float32),
+         3: np.array([2.0, 2.0], np.float32), 4: np.array([9.0, 9.0], np.float32)}
+    n = {0: 10, 1: 30, 2: 60, 3: 5, 4: 0}
+    group = {0: "a", 1: "b", 2: "a", 3: "b", 4: "c"}  # the message field names each client's group
+    msgs = {c: {"models": {}, "cluster": group[c]} for c in v}
+    reduce = WeightedMean("weights", by="n", group="cluster")
+    # a: (10·(1, 0) + 60·(0, 8)) / 70; b: (30·(4, 2) + 5·(2, 2)) / 35; c has no weight: no mean
+    expected = {"a": [10 / 70, 480 / 70], "b": [130 / 35, 70 / 35]}
+    ups = reduce_uploads(reduce, {c: {"weights": v[c], "n": n[c]} for c in v}, msgs)
+    assert sorted(ups.reduced["weights"]) == ["a", "b"]
+    for g, mean in expected.items():
+        np.testing.assert_allclose(ups.reduced["weights"][g], mean, rtol=1e-6)
+    parts = [{}, {}]  # two hosts, each holding members of both groups
+    for c, host in ((0, 0), (1, 0), (2, 1), (3, 1), (4, 1)):
+        accumulate(reduce, {"weights": v[c], "n": n[c]}, parts[host], msgs[c])
+    both = combine(reduce, parts)["weights"]
+    for g, mean in expected.items():
+        np.testing.assert_allclose(both[g], mean, rtol=1e-6)
+    assert combine(reduce, [{}]) == {"weights": {}}  # no upload with weight: no group, and no error
+
+
 def test_fedavg_server_takes_the_size_weighted_mean():
     info = RunInfo(n_clients=2, rounds=1, participation=1.0, seed=0, n_train=[1, 3])
     server = FedAvgServer(None, info, lambda x: x, lambda hs: list(hs), np.random.default_rng(0), np.zeros(2, np.float32))

@@ -39,7 +39,7 @@ def fake_call(log):
     def call(step, msgs, reduce=None):  # the reduction the engine would run inside the client actors
         log.append((step, msgs))
         return reduce_uploads(reduce, {c: {"weights": np.array(VECS[c], np.float32), "n": SIZES[c],
-                                           "train_loss": LOSS[c]} for c in msgs})
+                                           "train_loss": LOSS[c]} for c in msgs}, msgs)
     return call
 
 

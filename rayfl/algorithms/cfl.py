@@ -42,10 +42,12 @@ Choices (where the paper is silent the authors' code, felisat/clustered-federate
   client trains with the run's settings (equal budgets). Its notebook finally gives each client the best of
   all cached tree models by accuracy on the client's held-out data; here a client is evaluated on its current
   cluster model (choosing on test data would not be a fair report).
-- A client uploads its trained weights θ_i as a handle; the server, which knows θ_c, forms Δθ_i = θ_i - θ_c.
-  The same information as uploading Δθ_i, and the cluster model Σ |D_i| θ_i / Σ |D_i| is then FedAvg's own
-  average to the bit: before any split CFL is FedAvg. The updates are kept in float32 (the server holds one
-  per participant); their weighted sums are taken in float64, their Gram matrix <Δθ_i, Δθ_j> in float32.
+- A client's trained weights θ_i go into its cluster's size-weighted sum in its host (FedAvg's reduction, one
+  sum per tree node), so the cluster model Σ |D_i| θ_i / Σ |D_i| is FedAvg's own average to the bit: before
+  any split CFL is FedAvg. The client also leaves θ_i as a handle, which the server fetches only in a round
+  that reads single updates (a split examined, a client routed, the last round's similarities) and, knowing
+  θ_c, forms Δθ_i = θ_i - θ_c: the same information as uploading Δθ_i. The updates are kept in float32; their
+  weighted sums are taken in float64, their Gram matrix <Δθ_i, Δθ_j> in float32.
 - Partial participation (the paper has every client train every round): the criterion and the bipartition of
   a cluster read its participants only, ``min_split_size`` counts participants, and a cluster none of whose
   clients took part keeps its model unchanged and is not examined. Members of a split cluster that did not
@@ -74,6 +76,7 @@ from rayfl.reduce import WeightedMean, accumulate, combine
 LINKAGES = ("single", "complete")  # single: the paper's Algorithm 1; complete: the authors' code
 SPLIT_STATS = ("alpha_cross", "gamma_bound", "mean_update_norm", "max_update_norm")  # kept per split node
 MEAN = WeightedMean("weights", by="n")
+CLUSTER_MEANS = WeightedMean("weights", by="n", group="node")  # each tree node's participants, averaged by their hosts
 
 
 @dataclass
@@ -223,28 +226,29 @@ class CFLServer(Server):
 
     def messages(self, cids: list[int]) -> dict[int, dict]:
         """One message per tree node (a host resolves it once for all of that node's clients)."""
-        per_node = {int(v): {"models": {"cluster": self.models[int(v)]}} for v in set(self.node_of[cids].tolist())}
+        per_node = {v: {"models": {"cluster": self.models[v]}, "node": v} for v in set(self.node_of[cids].tolist())}
         return {c: per_node[int(self.node_of[c])] for c in cids}
 
     def run_round(self, stage, rnd, participants, call):
-        ups = call("train", self.messages(participants))
+        ups = call("train", self.messages(participants), reduce=CLUSTER_MEANS)
+        averages = ups.reduced["weights"]  # node -> Σ |D_i| θ_i / Σ |D_i| over its participants with data
         ids = sorted(ups)
         start = [int(self.node_of[c]) for c in ids]  # where each participant trained from
         nodes = sorted(set(start))
         base = dict(zip(nodes, self.get([self.models[v] for v in nodes])))
-        trained = dict(zip(ids, self.get([ups[c]["weights"] for c in ids])))
         n = np.array([float(ups[c]["n"]) for c in ids])
         norms = np.array([float(ups[c]["update_norm"]) for c in ids])
+        trained: dict = {}  # participant -> θ_i, fetched when the round reads single models (splits, routing)
         deltas = alpha = None  # Δθ_i and α_{i,j}: formed when a cluster meets the criterion (Algorithm 2)
         mean_norms, max_norms, splits = [], [], 0
         for node in nodes:
             rows = [r for r, v in enumerate(start) if v == node]
             if self.split_at[node] >= 0:  # clients that missed this node's split: one step down the tree
                 for r in rows:
-                    delta = np.subtract(trained[ids[r]], base[node])
+                    delta = np.subtract(self.trained(ups, [ids[r]], trained)[0], base[node])
                     self.node_of[ids[r]] = self.children(node)[route(delta, self.directions[node])]
                 continue
-            average = self.average(rows, ids, trained, n)
+            average = averages.get(node)
             if average is None:  # nobody with training data: the model stays
                 continue
             mean_norm, max_norm = mean_update_norm(average, base[node]), float(norms[rows].max())
@@ -254,7 +258,7 @@ class CFLServer(Server):
             if (rnd >= self.params.min_rounds and len(rows) >= self.params.min_split_size
                     and split_criterion(mean_norm, max_norm, self.params.eps1, self.params.eps2)):
                 if alpha is None:
-                    deltas, alpha = self.similarities(ids, start, trained, base)
+                    deltas, alpha = self.similarities(ids, start, self.trained(ups, ids, trained), base)
                 sub = alpha[np.ix_(rows, rows)]
                 c1, c2 = bipartition(sub, self.params.linkage)
                 cross = cross_similarity(sub, c1, c2)
@@ -265,14 +269,14 @@ class CFLServer(Server):
             if average is not None:  # no split: FedAvg's step within the cluster
                 self.models[node] = self.put(average)
             for group, target in groups:
-                if target != node:  # a new child: the average of its own half's updates
-                    half = self.average(group, ids, trained, n)
-                    if half is not None:
-                        self.models[target] = self.put(half)
+                weighted = [r for r in group if n[r] > 0]
+                if target != node and weighted:  # a new child: the average of its own half's updates
+                    self.models[target] = self.put(cluster_average(self.trained(ups, [ids[r] for r in weighted],
+                                                                                trained), list(n[weighted])))
                 for r in group:
                     self.node_of[ids[r]] = target
         if alpha is None and rnd == self.info.rounds - 1:  # the run's last round: its similarities are reported
-            _, alpha = self.similarities(ids, start, trained, base)
+            _, alpha = self.similarities(ids, start, self.trained(ups, ids, trained), base)
         if alpha is not None:
             self.last_ids, self.last_alpha = np.array(ids, dtype=np.int64), alpha
         return {"train_loss": weighted_mean(ups, "train_loss"), "clusters": len(self.leaves()), "splits": splits,
@@ -280,19 +284,20 @@ class CFLServer(Server):
                 "mean_update_norm": max(mean_norms, default=float("nan")),  # max over clusters of ||Δθ_c||
                 "max_update_norm": max(max_norms, default=float("nan"))}  # max over participants of ||Δθ_i||
 
-    @staticmethod
-    def similarities(ids: list[int], start: list[int], trained: dict, base: dict) -> tuple[np.ndarray, np.ndarray]:
-        """The round's updates Δθ_i = θ_i - θ_c, one row each, and their cosine similarities α_{i,j}."""
-        deltas = np.empty((len(ids), np.size(trained[ids[0]])), np.float32)  # written in place, row by row
-        for row, c, v in zip(deltas, ids, start):
-            np.subtract(trained[c], base[v], out=row)
-        return deltas, cosine_similarities(deltas)
+    def trained(self, ups, cids: list[int], fetched: dict) -> list[np.ndarray]:
+        """These participants' trained models θ_i, fetched once a round (most rounds read none: their hosts
+        averaged them)."""
+        missing = [c for c in cids if c not in fetched]
+        fetched.update(zip(missing, self.get([ups[c]["trained"] for c in missing])))
+        return [fetched[c] for c in cids]
 
     @staticmethod
-    def average(rows: list[int], ids: list[int], trained: dict, n: np.ndarray):
-        """The size-weighted average of these participants' trained models, or None when none has training data."""
-        weighted = [r for r in rows if n[r] > 0]
-        return cluster_average([trained[ids[r]] for r in weighted], list(n[weighted])) if weighted else None
+    def similarities(ids: list[int], start: list[int], trained: list[np.ndarray], base: dict):
+        """The round's updates Δθ_i = θ_i - θ_c, one row each, and their cosine similarities α_{i,j}."""
+        deltas = np.empty((len(ids), np.size(trained[0])), np.float32)  # written in place, row by row
+        for row, vec, v in zip(deltas, trained, start):
+            np.subtract(vec, base[v], out=row)
+        return deltas, cosine_similarities(deltas)
 
     def split(self, node: int, rnd: int, halves: list[list[int]], deltas: np.ndarray, stats: list[float]) -> None:
         """Node becomes a split node (its model, θ*_c, is kept) with two new leaves, one per half."""
@@ -362,7 +367,8 @@ class CFLClient(ClientLogic):
         model = client.scratch(models["cluster"])
         result = client.fit(model)
         trained = client.vector(model)
-        return {"weights": client.share(trained), "update_norm": update_norm(trained, models["cluster"]), **result}
+        return {"weights": trained, "trained": client.share(trained),  # averaged by the host; kept for the server
+                "update_norm": update_norm(trained, models["cluster"]), **result}
 
     def eval_weights(self, msg, models):
         return models["cluster"]  # the client's cluster model (a split node's θ*_c while awaiting routing)

@@ -17,9 +17,10 @@ import numpy as np
 
 from rayfl.algorithms.base import Algorithm, Server
 from rayfl.algorithms.baselines import FedAvgClient, FedAvgServer, weighted_mean
-from rayfl.training import weighted_average
+from rayfl.reduce import WeightedMean
 
 GROUPED_PARTITIONS = ("latent", "label-groups", "rotation", "permutation")  # those that set RunInfo.groups
+GROUP_MEANS = WeightedMean("weights", by="n", group="group")  # one FedAvg average per group
 
 
 @dataclass
@@ -48,16 +49,15 @@ class OracleServer(Server):
 
     def run_round(self, stage, rnd, participants, call):
         """Every group's FedAvg round in one call (the groups train at once), each group's model then the
-        size-weighted mean of its sampled members' uploads; a group with none sampled keeps its model."""
+        size-weighted mean of its sampled members' uploads (summed by their hosts, group by group); a group with
+        none sampled keeps its model."""
         messages = {}
         for g, fedavg in self.fedavg.items():  # one message per group: it travels once per host
-            messages.update(dict.fromkeys(self.members(g, participants), {"models": {"global": fedavg.global_ref}}))
-        ups = call("train", messages)
-        for g, fedavg in self.fedavg.items():
-            trained = [c for c in self.members(g, participants) if ups[c].get("n", 0) > 0]
-            if trained:
-                fedavg.global_ref = self.put(weighted_average([ups[c]["weights"] for c in trained],
-                                                              [ups[c]["n"] for c in trained]))
+            messages.update(dict.fromkeys(self.members(g, participants),
+                                          {"models": {"global": fedavg.global_ref}, "group": g}))
+        ups = call("train", messages, reduce=GROUP_MEANS)
+        for g, mean in ups.reduced["weights"].items():
+            self.fedavg[g].global_ref = self.put(mean)
         return {"train_loss": weighted_mean(ups, "train_loss")}
 
     def eval_messages(self, stage, rnd, cids):
