@@ -47,7 +47,7 @@ ROWS = {
     "lg-fedavg": ({}, 1.0, "FedAvg's passes (each client evaluated on its own model)"),
     "fedper": ({}, 1.0, "FedAvg's passes (each client evaluated on its own model)"),
     "mocha": ({}, 1.0, "FedAvg's passes; the head's regularizer step and Omega's update are vector operations"),
-    "cfl": ({}, 1.0, "FedAvg's passes; the server's similarities are vector operations"),
+    "cfl": ({}, 1.0, "FedAvg's passes; each cluster averaged by the hosts, the similarities only where a split is examined"),
     "perfedavg": ({}, floor(2 * (BATCHES // 2) * BATCH * 3 + 3 * BATCH + VAL + TEST + TEST),
                   "8 FO steps of 2 batches, one adaptation step before the evaluation, the global model on test too"),
     "pfedme": ({}, floor(5 * BATCHES * BATCH * 3 + VAL + TEST + TEST),
@@ -55,7 +55,7 @@ ROWS = {
     "fedem": ({}, floor(4 * 3 * TRAIN + 4 * TRAIN + 4 * (VAL + TEST)),
               "M = 4 components trained, an E-step pass of the 4 on the training split, a mixture of 4 evaluated"),
     "fedavg@groups": ({"partition": "latent", "groups": 2}, 1.0, "the oracle's reference"),
-    "oracle": ({"partition": "latent", "groups": 2}, 1.0, "FedAvg's passes; each group averaged on the driver (uploads whole)"),
+    "oracle": ({"partition": "latent", "groups": 2}, 1.0, "FedAvg's passes; each group averaged by the hosts"),
 }
 
 
