@@ -99,7 +99,8 @@ def combine(reduce: WeightedMean | None, partials: list[Partial]) -> dict:
         parts = [part[reduce.key][0] for part in partials if part.get(reduce.key, (None,))[0] is not None]
         return {reduce.key: sum(parts[1:], parts[0].copy()) if parts else None}
     if reduce.group is not None:
-        groups = sorted({slot[1] for part in partials for slot in part if isinstance(slot, tuple) and slot[0] == reduce.key})
+        groups = sorted({slot[1] for part in partials for slot in part
+                         if isinstance(slot, tuple) and slot[0] == reduce.key})
         means = {g: _mean(partials, (reduce.key, g)) for g in groups}
         return {reduce.key: {g: mean for g, mean in means.items() if mean is not None}}
     mean = _mean(partials, reduce.key)

@@ -76,7 +76,7 @@ from rayfl.reduce import WeightedMean, accumulate, combine
 LINKAGES = ("single", "complete")  # single: the paper's Algorithm 1; complete: the authors' code
 SPLIT_STATS = ("alpha_cross", "gamma_bound", "mean_update_norm", "max_update_norm")  # kept per split node
 MEAN = WeightedMean("weights", by="n")
-CLUSTER_MEANS = WeightedMean("weights", by="n", group="node")  # each tree node's participants, averaged by their hosts
+CLUSTER_MEANS = WeightedMean("weights", by="n", group="node")  # a tree node's participants, summed by hosts
 
 
 @dataclass
@@ -126,8 +126,9 @@ def update_norm(trained: np.ndarray, start: np.ndarray) -> float:
 
 
 def mean_update_norm(average: np.ndarray, start: np.ndarray) -> float:
-    """||Δθ_c|| = ||Σ |D_i| Δθ_i / Σ |D_i||| (Sec. II's FL update) = ||Σ |D_i| θ_i / Σ |D_i| - θ_c||: the cluster
-    average's step away from the model its clients trained from, what the criterion reads as stationarity."""
+    """||Δθ_c|| = ||Σ |D_i| Δθ_i / Σ |D_i||| (Sec. II's FL update) = ||Σ |D_i| θ_i / Σ |D_i| - θ_c||: the
+    cluster average's step away from the model its clients trained from, what the criterion reads as
+    stationarity."""
     return update_norm(average, start)
 
 
@@ -254,7 +255,7 @@ class CFLServer(Server):
             mean_norm, max_norm = mean_update_norm(average, base[node]), float(norms[rows].max())
             mean_norms.append(mean_norm)
             max_norms.append(max_norm)
-            groups = [(rows, node)]
+            halves = None
             if (rnd >= self.params.min_rounds and len(rows) >= self.params.min_split_size
                     and split_criterion(mean_norm, max_norm, self.params.eps1, self.params.eps2)):
                 if alpha is None:
@@ -265,16 +266,17 @@ class CFLServer(Server):
                 if accept_split(cross, self.params.gamma_max):
                     halves = [[rows[i] for i in c1], [rows[i] for i in c2]]
                     self.split(node, rnd, halves, deltas, [cross, gamma_bound(cross), mean_norm, max_norm])
-                    groups, average, splits = list(zip(halves, self.children(node))), None, splits + 1
-            if average is not None:  # no split: FedAvg's step within the cluster
+                    splits += 1
+            if halves is None:  # FedAvg's step within the cluster
                 self.models[node] = self.put(average)
-            for group, target in groups:
-                weighted = [r for r in group if n[r] > 0]
-                if target != node and weighted:  # a new child: the average of its own half's updates
-                    self.models[target] = self.put(cluster_average(self.trained(ups, [ids[r] for r in weighted],
-                                                                                trained), list(n[weighted])))
-                for r in group:
-                    self.node_of[ids[r]] = target
+                continue
+            for half, child in zip(halves, self.children(node)):  # each child: the average of its own half's updates
+                weighted = [r for r in half if n[r] > 0]
+                if weighted:
+                    self.models[child] = self.put(cluster_average(self.trained(ups, [ids[r] for r in weighted],
+                                                                               trained), list(n[weighted])))
+                for r in half:
+                    self.node_of[ids[r]] = child
         if alpha is None and rnd == self.info.rounds - 1:  # the run's last round: its similarities are reported
             _, alpha = self.similarities(ids, start, self.trained(ups, ids, trained), base)
         if alpha is not None:
