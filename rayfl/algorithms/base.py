@@ -15,9 +15,11 @@ An algorithm is one module in ``rayfl/algorithms/`` that defines three things an
     top to bottom in :meth:`Server.run_round`. It talks to clients only through ``call(step, messages)``,
     which runs the named client step on many clients in parallel and returns their uploads. Where the
     server only needs a sum, ``call(step, messages, reduce=WeightedMean("weights", by="n"))`` gives it
-    ``uploads.reduced["weights"]`` without moving every client's vector (:mod:`rayfl.reduce`). Models travel
-    as *handles* (a Ray ObjectRef under Ray, the array itself in one process): ``self.put`` makes one,
-    ``self.get`` reads some; routing a handle from one client to another never pulls it into the driver.
+    ``uploads.reduced["weights"]`` without moving every client's vector (:mod:`rayfl.reduce`); with
+    ``group="node"`` it is one mean per value of each message's ``"node"`` field (one FedAvg per cluster: CFL,
+    the oracle). Models travel as *handles* (a Ray ObjectRef under Ray, the array itself in one process):
+    ``self.put`` makes one, ``self.get`` reads some; routing a handle from one client to another never pulls it
+    into the driver.
 
 ``ClientLogic`` (client side, subclass of :class:`ClientLogic`)
     Methods named ``step_<name>(client, msg, models)`` run on one :class:`~rayfl.client.Client` (its data,
