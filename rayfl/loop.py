@@ -100,6 +100,9 @@ class Loop:
         :meth:`finish_round`); that time is the previous round's, not this call's."""
         t0 = time.perf_counter()
         private = self.user_dp is not None and isinstance(reduce, WeightedMean)
+        if private and reduce.group is not None:
+            raise ValueError(f"{type(self.server).__name__}: dp_level=user clips and noises one average a call; "
+                             f"a grouped WeightedMean (group={reduce.group!r}) makes one per group")
         if private:  # user-level DP: each host sums its clients' clipped updates instead
             start = getattr(self.server, privacy.declared(type(self.server), "averages"))
             reduce = ClippedSum(reduce.key, start, self.user_dp.clip)

@@ -192,6 +192,17 @@ def test_user_level_fedavg_samples_users_by_poisson_and_accounts_every_round():
     assert len({len(h) for h in [loop.sample(loop.server.stages()[0]) for _ in range(20)]}) > 1  # not fixed-size
 
 
+def test_user_level_refuses_a_grouped_mean_rather_than_average_without_noise():
+    from rayfl.reduce import WeightedMean
+
+    p = prepare(tiny(algo="fedavg", clients=4, rounds=1, participation=0.5, dp_level="user", dp_noise=1.0))
+    loop = Loop(p, LocalRuntime(p))
+    msgs = {c: {"models": {"global": loop.server.global_ref}, "node": c % 2} for c in range(4)}
+    with pytest.raises(ValueError, match=r"FedAvgServer: dp_level=user clips and noises one average a call; "
+                                         r"a grouped WeightedMean \(group='node'\)"):
+        loop.call("train", msgs, reduce=WeightedMean("weights", by="n", group="node"))
+
+
 # --------------------------------------------------------------------------------------------------
 # refusals: one line, exit 2, before Ray starts
 # --------------------------------------------------------------------------------------------------
