@@ -175,17 +175,6 @@ def optimizer_for(model: nn.Module, name: str, lr: float, momentum: float = 0.0,
     return make_optimizer(model.parameters(), name, lr, momentum, weight_decay)
 
 
-def weighted_average(vectors: list[np.ndarray], weights) -> np.ndarray:
-    """Σ_k w_k v_k / Σ_k w_k, in float64 accumulation to keep 100-client sums exact enough."""
-    w = np.asarray(weights, dtype=np.float64)
-    if len(vectors) == 0 or w.sum() <= 0:
-        raise ValueError("weighted_average needs at least one vector with positive weight")
-    out = np.zeros(vectors[0].shape, dtype=np.float64)
-    for v, wk in zip(vectors, w):
-        out += wk * v
-    return (out / w.sum()).astype(np.float32)
-
-
 def loss_fn_for(task: str) -> Callable:
     return F.mse_loss if task == "regression" else F.cross_entropy
 

@@ -14,7 +14,7 @@ from rayfl.config import UserError, make_config
 from rayfl.metrics import round_summary, summarize
 from rayfl.models import build_model
 from rayfl.runtime import assign_hosts, group_by_host
-from rayfl.training import load_vector, to_vector, weighted_average
+from rayfl.training import load_vector, to_vector
 
 
 def test_vector_round_trip_is_exact():
@@ -26,14 +26,6 @@ def test_vector_round_trip_is_exact():
     np.testing.assert_array_equal(to_vector(b), v)
     with pytest.raises(ValueError):
         load_vector(b, v[:-1])
-
-
-def test_weighted_average_by_hand():
-    v1, v2 = np.array([1.0, 0.0], np.float32), np.array([4.0, 3.0], np.float32)
-    np.testing.assert_allclose(weighted_average([v1, v2], [1, 2]), [3.0, 2.0])
-    np.testing.assert_allclose(weighted_average([v1, v2], [5, 5]), [2.5, 1.5])
-    with pytest.raises(ValueError):
-        weighted_average([v1], [0])
 
 
 def test_summary_by_hand():
