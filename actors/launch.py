@@ -21,6 +21,7 @@ from rayfl.actors.driver import DriverActor
 from rayfl.actors.resources import DRIVER_CPUS, n_actors_for, plan_actor_resources, preflight
 from rayfl.actors.runtime import dead_nodes, start_client_actors
 from rayfl.config import UserError
+from rayfl.divergence import Diverged
 from rayfl.loop import NoCapacity
 from rayfl.progress import stderr_into
 
@@ -88,7 +89,7 @@ def launch(prepared, tracking: dict | None, checkpoint_dir: str | None = None,
                      f"giving up after max_restarts={cfg.max_restarts}"), file=sys.stderr, flush=True)
             continue
         except ray.exceptions.RayTaskError as e:
-            if isinstance(e.cause, (UserError, NoCapacity)):
+            if isinstance(e.cause, (UserError, NoCapacity, Diverged)):
                 raise e.cause from None
             raise
         finally:

@@ -10,7 +10,7 @@ away. Importing rayfl stays cheap: torch, Ray and MLflow load when a run starts.
 __version__ = "0.1.0"
 
 _API = {"run": "rayfl.api", "tune": "rayfl.api", "RunResult": "rayfl.api", "SweepResult": "rayfl.api",
-        "SweepFailed": "rayfl.api", "UserError": "rayfl.config", "Config": "rayfl.config",
+        "SweepFailed": "rayfl.api", "UserError": "rayfl.config", "Diverged": "rayfl.divergence", "Config": "rayfl.config",
         "compare": "rayfl.comparison", "CompareResult": "rayfl.comparison",
         "register_dataset": "rayfl.data.datasets", "DatasetSource": "rayfl.data.datasets",
         "register_model": "rayfl.models", "ModelSource": "rayfl.models", "sync": "rayfl.api",

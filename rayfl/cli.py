@@ -122,7 +122,8 @@ def cmd_run(args) -> int:
             plan.update(event)
         console(event)
 
-    from rayfl.loop import NoCapacity
+    from rayfl.divergence import Diverged
+    from rayfl.loop import Loop, NoCapacity
 
     try:
         result = run_config(cfg, resume=args.resume, address=args.address, progress=show)
@@ -133,6 +134,12 @@ def cmd_run(args) -> int:
         return 130
     except NoCapacity as e:  # client actors lost with their node, and no room came back: one line
         print(no_capacity_line(e), file=sys.stderr)
+        return 1
+    except Diverged as e:  # a loss or the model went non-finite: no result to report, the last finite checkpoint kept
+        print(f"rayfl: {e}", file=sys.stderr)
+        if plan and Loop.has_checkpoint(plan["run_dir"]):
+            print(f"rayfl: its last checkpoint, written before the divergence, is kept in {plan['run_dir']}",
+                  file=sys.stderr)
         return 1
     except Exception as e:  # the run failed inside Ray: say what, and where its remains are
         print(f"rayfl: run failed: {_root_cause(e)}", file=sys.stderr)

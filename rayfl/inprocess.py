@@ -20,6 +20,10 @@ def execute(loop: Loop, tracker=None) -> dict:
         if tracker:
             tracker.fail("KILLED")
         raise
+    except Exception as e:
+        if tracker:
+            tracker.fail(why=str(e).splitlines()[0] if str(e) else type(e).__name__)
+        raise
     except BaseException:
         if tracker:
             tracker.fail()

@@ -20,6 +20,7 @@ import numpy as np
 
 from rayfl import privacy, snapshot
 from rayfl.config import NOT_RESULTS, UserError
+from rayfl.divergence import Diverged, model_has_nan, round_problem, step_size_hint
 from rayfl.metrics import round_summary
 from rayfl.reduce import ClippedSum, WeightedMean
 from rayfl.runtime import ClientsLost
@@ -241,6 +242,8 @@ class Loop:
                     rec["dp_epsilon"] = record.epsilon
             metrics["eval_seconds"] = time.perf_counter() - t_eval  # from asking to having every record
             metrics.update(round_summary(record.per_client))
+        self.check_finite(step, metrics, record.per_client)  # before it is reported, kept or checkpointed
+        if evaluation is not None:
             self.last_eval = record.per_client
         self.history.append({"step": step, "stage": record.stage, **metrics})
         if self.stage_reuse:
@@ -256,6 +259,23 @@ class Loop:
             for cb in self.callbacks:  # a run resumed from this checkpoint does not report these rounds again
                 cb.on_checkpoint(self)
             self.save_checkpoint(step)
+
+    def check_finite(self, step: int, metrics: dict, per_client: dict) -> None:
+        """Diverged when the round's training loss or a client's evaluation loss is not finite."""
+        problem = round_problem(metrics, per_client)
+        if problem is not None:
+            self.diverged(step, problem)
+
+    def diverged(self, step: int, problem: str) -> None:
+        """End the run at ``step``: what is not finite, whether the server's model is, and what to change."""
+        final = self.server.final_model()
+        try:
+            if final is not None and "global model" not in problem and model_has_nan(self.runtime.get([final])[0]):
+                problem += "; its global model has NaN or inf weights"
+        except Exception:  # noqa: BLE001 - the divergence is the error to report
+            pass
+        algo = self.prepared.algorithm
+        raise Diverged(step + 1, self.cfg.algo, problem, step_size_hint(self.cfg, algo.make_params(self.cfg.params)))
 
     def finish_after_failure(self) -> None:
         """The run is failing: report the round that was waiting, if it can be, so that nothing it logged is
@@ -282,7 +302,11 @@ class Loop:
     def save_checkpoint(self, step: int, directory: str | None = None) -> None:
         """Everything needed to go on after the round ``step``: server, clients, RNGs and history, as plain
         data (rayfl.snapshot), with the rayfl version and the config it belongs to (in ``directory``,
-        default the run's checkpoint directory; the stage cache passes its own)."""
+        default the run's checkpoint directory; the stage cache passes its own). A global model that is not
+        finite is never written: the run has diverged, and the checkpoint on disk stays the last finite one."""
+        final = self.server.final_model()
+        if final is not None and model_has_nan(self.runtime.get([final])[0]):
+            self.diverged(step, "global model has NaN or inf weights")
         self._write_checkpoint(step, {"server": self.server.state_dict(), "clients": self.runtime.client_states(),
                                       "rng": self.rng.bit_generator.state,
                                       "server_rng": self.server.rng.bit_generator.state,

@@ -706,15 +706,18 @@ class MlflowTracker(Callback):
             return None
         return unsent_line(os.path.dirname(self.unsent), self.uri, self.wait)
 
-    def fail(self, status: str = "FAILED") -> None:
+    def fail(self, status: str = "FAILED", why: str | None = None) -> None:
         """Close the run as FAILED (or KILLED when stopped on request), keeping all logged so far (in the
         store, or in the outbox when its server does not answer within a shorter wait: a stopped run's
-        submitter waits only so long)."""
+        submitter waits only so long). ``why``: the failure's one line, the run's description and the tag
+        ``rayfl.failure``, so that its page opens on why it has no result."""
         if self.run_id is None or self.sender is None:  # the run was never created: nothing to close
             self.writer = None
             if self._scratch:
                 shutil.rmtree(self._scratch, ignore_errors=True)
             return
+        if why and self.writer is not None:
+            self._submit(lambda: self._log_tags({"rayfl.failure": why, "mlflow.note.content": f"**{status}**: {why}"}))
         self._close(status, min(self.wait, FAIL_WAIT))
 
 

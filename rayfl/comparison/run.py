@@ -25,6 +25,7 @@ import pandas as pd
 from rayfl.comparison.presets import PRESETS
 from rayfl.comparison.table import CLASSIFICATION, REGRESSION, SAME_WORK, WORK, Agreement, bar_chart, markdown, ordering_agreement, summarize_runs, with_paper
 from rayfl.config import UserError, make_config, shown
+from rayfl.divergence import Diverged
 from rayfl.session import check_threads_here, check_tracking_store, make_run_dir, shutdown_ray, start_ray
 
 
@@ -298,23 +299,31 @@ def compare(algos: Sequence[str] | None = None, seeds: Sequence[int] = (0, 1, 2)
                     "partition": reports[id(p)].to_dict()}
         show = (lambda rec: on_round(label, rec)) if on_round else None
         run_dir = run_dirs[label]
-        if runtime == "local":
-            from rayfl.inprocess import run_in_process
+        try:
+            if runtime == "local":
+                from rayfl.inprocess import run_in_process
 
-            out = run_in_process(p, tracking, run_dir, on_round=show)
+                out = run_in_process(p, tracking, run_dir, on_round=show)
+            else:
+                from rayfl.actors.launch import launch
+
+                res, n_actors = _ray_share(cfg, concurrent)
+                out = launch(p, tracking, checkpoint_dir=run_dir, on_round=show, resources=res,
+                             actor_options=[{}] * n_actors)
+        except Diverged as e:  # no result: the row says where it diverged (its MLflow run is FAILED)
+            out = None
+            outcome = f"diverged at round {e.round}"
+            rows = [{"algo": row, "seed": cfg.seed, "run_id": None, "diverged": e.round}]
         else:
-            from rayfl.actors.launch import launch
-
-            res, n_actors = _ray_share(cfg, concurrent)
-            out = launch(p, tracking, checkpoint_dir=run_dir, on_round=show, resources=res,
-                         actor_options=[{}] * n_actors)
+            key = "test_acc_mean" if "test_acc_mean" in out["final"] else "test_loss_mean"
+            outcome = f"{key} {out['final'].get(key, math.nan):.4f}"
+            rows = final_rows(row, cfg.seed, out)
         if say:
             finished.append(label)
             done, elapsed = len(finished), time.perf_counter() - t_start
-            acc = out["final"].get("test_acc_mean", out["final"].get("test_loss_mean", math.nan))
-            say(f"compare: {done}/{total} done ({label}: {'test_acc_mean' if 'test_acc_mean' in out['final'] else 'test_loss_mean'} "
-                f"{acc:.4f}), elapsed {_clock(elapsed)}, eta {_clock(elapsed / done * (total - done))}")
-        return final_rows(row, cfg.seed, out)
+            say(f"compare: {done}/{total} done ({label}: {outcome}), elapsed {_clock(elapsed)}, "
+                f"eta {_clock(elapsed / done * (total - done))}")
+        return rows
 
     run_dirs, names = {}, set()
     for row, p in prepared:

@@ -33,12 +33,17 @@ def columns(runs: pd.DataFrame) -> list[str]:
 
 
 def summarize_runs(runs: pd.DataFrame, order: list[str] | None = None) -> pd.DataFrame:
-    """One row per algorithm: ``<col>`` (mean over seeds), ``<col>_std`` (sample std), ``seeds``."""
+    """One row per algorithm: ``<col>`` (mean over seeds), ``<col>_std`` (sample std), ``seeds``. A run that
+    diverged (a ``diverged`` round, rayfl.divergence) has no result: it is left out of the means, and its row
+    says where it diverged (``diverged``: the rounds, e.g. "round 2"; "" when none did)."""
     cols = columns(runs)
     out = []
     for algo in order or list(dict.fromkeys(runs["algo"])):
         sub = runs[runs["algo"] == algo]
-        row = {"algo": algo, "seeds": int(len(sub))}
+        failed = sub["diverged"].dropna() if "diverged" in sub else pd.Series([], dtype=float)
+        sub = sub[sub["diverged"].isna()] if "diverged" in sub else sub
+        row = {"algo": algo, "seeds": int(len(sub)),
+               "diverged": ("round " + ", ".join(str(int(r)) for r in failed)) if len(failed) else ""}
         for c in cols:
             vals = sub[c].dropna().to_numpy(dtype=np.float64)
             row[c] = float(vals.mean()) if vals.size else math.nan
@@ -123,15 +128,19 @@ def _header(column: str) -> str:
 
 def markdown(table: pd.DataFrame) -> str:
     """The table as Markdown: ``mean ± std`` cells (accuracy in %), then the paper's numbers."""
-    metric_cols = [c for c in table.columns if c not in ("algo", "seeds", WORK) and not c.endswith("_std")
-                   and not c.startswith("paper ")]
+    metric_cols = [c for c in table.columns if c not in ("algo", "seeds", "diverged", WORK)
+                   and not c.endswith("_std") and not c.startswith("paper ")]
     paper_cols = [c for c in table.columns if c.startswith("paper ")]
     work = [WORK] if WORK in table and (table[WORK] != SAME_WORK).any() else []
     head = ["algorithm", "seeds", *(_header(c) for c in metric_cols), *paper_cols, *work]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for _, r in table.iterrows():
-        cells = [str(r["algo"]), str(r["seeds"])]
-        cells += [_fmt(r[c], r[f"{c}_std"], "_acc" in c) for c in metric_cols]
+        failed = r.get("diverged") or ""
+        cells = [str(r["algo"]), str(r["seeds"]) + (f" ({failed.count(',') + 1} diverged)" if failed else "")]
+        if failed and not r["seeds"]:  # no seed has a result: say where it broke, not a score
+            cells += [f"diverged ({failed})"] * len(metric_cols)
+        else:
+            cells += [_fmt(r[c], r[f"{c}_std"], "_acc" in c) for c in metric_cols]
         cells += ["-" if r[c] != r[c] else f"{r[c]:g}" for c in paper_cols]
         cells += [str(r[c]) for c in work]
         lines.append("| " + " | ".join(cells) + " |")

@@ -1,0 +1,69 @@
+"""A run whose numbers stop being numbers has diverged: it ends there, saying so, instead of reporting them.
+
+A model with a NaN weight predicts NaN scores, and an argmax over NaN picks class 0: a diverged MNIST model
+"scores" about 10%, a number that reads like a (bad) result. So the loop checks every round it reports: the
+training loss the algorithm returns and every client's evaluation losses must be finite, and so must the
+global model before a checkpoint is written (the last checkpoint on disk is then the last finite one, from
+which ``--resume`` can go on). Plain math, no Ray, no MLflow.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import fields, is_dataclass
+
+import numpy as np
+
+TRAIN_LOSSES = ("train_loss",)  # the round metrics an algorithm reports that come from training
+
+
+class Diverged(RuntimeError):
+    """The run produced a non-finite loss or model at round ``round`` (from 1, as the console counts)."""
+
+    def __init__(self, round: int, algo: str, what: str, hint: str = ""):
+        self.round, self.algo, self.what, self.hint = round, algo, what, hint
+        super().__init__(f"run diverged at round {round}: {algo} {what}" + (f"; {hint}" if hint else ""))
+
+    def __reduce__(self):  # crosses process boundaries (a Ray task's error) with its fields
+        return Diverged, (self.round, self.algo, self.what, self.hint)
+
+
+def _not_finite(value) -> bool:
+    return isinstance(value, (int, float, np.floating, np.integer)) and not math.isfinite(float(value))
+
+
+def _kind(values) -> str:
+    return "NaN" if any(v != v for v in values) else "inf"
+
+
+def round_problem(metrics: dict, per_client: dict[int, dict]) -> str | None:
+    """What is not finite in a reported round, or None: the training loss, or a client's loss on a split it has
+    samples of (an empty split's NaN is no divergence)."""
+    for key in TRAIN_LOSSES:
+        if _not_finite(metrics.get(key)):
+            return f"{key} is {_kind([float(metrics[key])])}"
+    bad: dict[str, list[float]] = {}
+    for rec in per_client.values():
+        for key, value in rec.items():
+            if key.endswith("_loss") and rec.get(f"n_{key[:-len('_loss')]}", 1) and _not_finite(value):
+                bad.setdefault(key, []).append(float(value))
+    if not bad:
+        return None
+    key = max(bad, key=lambda k: (len(bad[k]), k == "test_loss"))  # the test split's, of as many
+    split = key[:-len("_loss")].replace("_", " ")
+    return f"{split} loss is {_kind(bad[key])} for {len(bad[key])} of {len(per_client)} clients"
+
+
+def model_has_nan(vector) -> bool:
+    return vector is not None and not np.isfinite(np.asarray(vector)).all()
+
+
+def step_size_hint(cfg, params) -> str:
+    """Where to go next: the run's step sizes, halved (the run's ``lr`` and every knob of the algorithm named
+    ``*lr``), as flags to try."""
+    sizes = [("lr", cfg.lr, "--lr")]
+    if is_dataclass(params):
+        sizes += [(f.name, getattr(params, f.name), f"-p {f.name}=") for f in fields(params)
+                  if f.name.endswith("lr") and isinstance(getattr(params, f.name), (int, float))]
+    tries = [f"{flag}{'' if flag.endswith('=') else ' '}{value / 2:g}" for _, value, flag in sizes]
+    return "lower a step size, e.g. " + " or ".join(tries)
