@@ -59,12 +59,13 @@ class RoundRecord:
     per_client: dict[int, dict] = field(default_factory=dict)  # evaluation records, when evaluated
     artifacts: dict[str, Any] = field(default_factory=dict)  # the server's round_artifacts, as the round left them
     epsilon: float | None = None  # user-level DP: the run's ε after this round (every user's)
+    warnings: list[str] = field(default_factory=list)  # the server's caveats found this round (Server.warnings)
 
 
 def round_event(loop: "Loop", record: RoundRecord) -> dict:
     """What a submitter sees of a round (progress, Tune reports): plain data, the same from every runtime."""
     return {"step": record.step, "stage": record.stage, "metrics": record.metrics,
-            "participants": len(record.participants), "total": len(loop.schedule())}
+            "participants": len(record.participants), "total": len(loop.schedule()), "warnings": record.warnings}
 
 
 class Loop:
@@ -198,6 +199,7 @@ class Loop:
         t0 = time.perf_counter()
         metrics = dict(self.server.run_round(stage, step, participants, self.call) or {})
         metrics["round_seconds"] = time.perf_counter() - t0 - self.reporting_seconds
+        warnings = list(self.server.warnings())
         metrics["client_call_seconds"] = self.call_seconds
         self.finish_round()  # a round that made no client call has not reported the one before yet
         evaluated = last or step % self.cfg.eval_every == 0
@@ -215,7 +217,8 @@ class Loop:
         if self.restarts:
             metrics["client_restarts"] = self.restarts
         # the server's round artifacts now: the next round may change it before this one is reported
-        record = RoundRecord(step, stage.name, participants, metrics, artifacts=self.server.round_artifacts(step))
+        record = RoundRecord(step, stage.name, participants, metrics, artifacts=self.server.round_artifacts(step),
+                             warnings=warnings)
         if evaluated and self.user_dp is not None:
             record.epsilon = privacy.epsilon(self.dp_history, self.user_dp.delta, self.user_dp.accountant)
         self.unfinished = (record, evaluation, t1, snap)

@@ -162,6 +162,8 @@ class ConsoleProgress:
         wall, eta = self.clock.round(e)
         if self.rounds:
             self.write(format_round(e, wall, eta, None if self.since is None else time.monotonic() - self.since))
+        for warning in e.get("warnings", ()):  # the algorithm's caveats, shown with --quiet too
+            self.write(f"rayfl: warning: {warning}")
 
 
 def partition(report, write: Callable[[str], None] = print, prefix: str = "rayfl: ") -> None:

@@ -342,6 +342,7 @@ class MlflowTracker(Callback):
         self.partition = partition
         self.report = None  # the run's PartitionReport, made when it starts
         self.kept: dict[str, dict[int, np.ndarray]] = {}  # square round artifacts at a few rounds, for one figure
+        self.warnings: list[str] = []  # the algorithm's caveats so far (Server.warnings): the tag rayfl.warnings
         self._keep_rounds: set[int] = set()
         self._client = None
         self._scratch: str | None = None  # a run without a run directory (compare's children): a private one
@@ -560,6 +561,10 @@ class MlflowTracker(Callback):
             return
         metrics = {**_with_headline(numeric(record.metrics, finite_only=False)),
                    "participants": float(len(record.participants))}
+        if record.warnings:  # the algorithm's caveats stay with the run: a tag a runs table can show
+            self.warnings += record.warnings
+            shown = "; ".join(self.warnings)
+            self._submit(lambda: self._log_tags({"rayfl.warnings": shown}))
         arrays = record.artifacts
         if step + 1 in self._keep_rounds:  # a few rounds of each square matrix, drawn side by side at the end
             for name, arr in arrays.items():

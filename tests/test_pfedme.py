@@ -257,3 +257,55 @@ def test_on_non_iid_data_the_personalized_models_beat_the_global_one():
     assert final["test_acc_mean"] > 0.8
     assert final["test_acc_mean"] > final["global_model_acc_mean"] + 0.1
     assert loop.history[0]["trained_clients"] == 4  # participation 0.5, yet every client runs its local rounds
+
+
+def test_the_inner_solves_gradient_norms_are_eq7s_at_its_start_and_end():
+    """||∇h(θ)|| = ||H θ − G + λ (θ − w)|| on the quadratic loss, at θ_0 and at the K-step iterate."""
+    theta0, w = np.array([0.3, -0.2, 0.1]), np.array([1.0, 0.5, -0.5])
+    lam, nu, K = 2.0, 0.05, 4
+    p = PFedMeParams(lam=lam, K=K, personal_lr=nu)
+    _, _, start, end = solve_inner(nn.Linear(2, 1).double(), torch.tensor(theta0), torch.tensor(w), torch.tensor(X),
+                                   torch.tensor(Y), p, F.mse_loss, measure=True)
+    grad_h = lambda t: H @ t - G + lam * (t - w)  # noqa: E731
+    assert start == pytest.approx(np.linalg.norm(grad_h(theta0)), rel=1e-9)
+    assert end == pytest.approx(np.linalg.norm(grad_h(k_step_iterate(theta0, w, lam, nu, K))), rel=1e-9)
+    assert end < start  # ν (λ + largest eigenvalue of H) < 2: gradient descent on h approaches its minimiser
+
+
+def test_a_step_past_two_over_the_curvature_does_not_settle_and_the_server_says_so_once():
+    """ν (λ + L) > 2: each step overshoots the minimiser of h by more than it started from, so ||∇h|| grows.
+    The server counts such clients, warns once naming personal_lr, and logs the norm."""
+    top = np.linalg.eigvalsh(H).max()
+    lam, K = 15.0, 5
+    nu = 2.5 / (lam + top)  # past the stable step 2 / (λ + L)
+    theta0, w = np.zeros(3), np.array([1.0, 0.5, -0.5])
+    _, _, start, end = solve_inner(nn.Linear(2, 1).double(), torch.tensor(theta0), torch.tensor(w), torch.tensor(X),
+                                   torch.tensor(Y), PFedMeParams(lam=lam, K=K, personal_lr=nu), F.mse_loss,
+                                   measure=True)
+    assert end > start
+    info = RunInfo(n_clients=2, rounds=2, participation=1.0, seed=0, n_train=[4, 4], task="classification")
+    server = PFedMeServer(PFedMeParams(lam=lam, personal_lr=nu), info, lambda v: v, lambda refs: refs,
+                          np.random.default_rng(0), np.zeros(3, dtype=np.float32))
+    ups = {0: {"rounds": 1, "n": 4, "train_loss": 0.5, "weights": np.ones(3, np.float32), "one": 1,
+               "inner_grad_start": start, "inner_grad_end": end},
+           1: {"rounds": 1, "n": 4, "train_loss": 0.5, "weights": np.ones(3, np.float32), "one": 1,
+               "inner_grad_start": 2.0, "inner_grad_end": 0.5}}
+    call = lambda step, messages, reduce=None: reduce_uploads(reduce, ups)  # noqa: E731
+    metrics = server.run_round(Stage("train", 2), 0, [0, 1], call)
+    assert metrics["inner_unsettled"] == 1 and metrics["inner_grad_norm"] == pytest.approx((end + 0.5) / 2)
+    [warning] = server.warnings()
+    assert "did not settle on 1 of 2 clients" in warning and f"personal_lr={nu:g}" in warning
+    server.run_round(Stage("train", 2), 1, [0, 1], call)
+    assert server.warnings() == []  # said once a run
+
+
+def test_a_run_whose_inner_solve_overshoots_shows_the_warning_on_the_console_once(capsys):
+    from rayfl.inprocess import run_in_process
+    from rayfl.progress import ConsoleProgress
+
+    console = ConsoleProgress()
+    cfg = tiny(algo="pfedme", rounds=3, lr=0.01, params={"personal_lr": 0.15, "lam": 15.0})  # ν·λ = 2.25
+    out = run_in_process(prepare(cfg), None, on_round=lambda e: console({**e, "event": "round", "time": 0.0}))
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("rayfl: warning: pfedme")]
+    assert len(lines) == 1 and "personal_lr=0.15 with lam=15" in lines[0]
+    assert out["history"][0]["inner_unsettled"] > 0

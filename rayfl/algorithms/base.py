@@ -143,6 +143,11 @@ class Server:
         """Driver-side state worth keeping every round (FedFomo's P): name -> numpy array."""
         return {}
 
+    def warnings(self) -> list[str]:
+        """Caveats the round just run found about the run's own settings, one line each (pFedMe's inner solve
+        that does not settle): the loop shows each on the console and in the MLflow run, once."""
+        return []
+
     def final_model(self) -> Any:
         """Handle of the model to save as the run's final global model, or None."""
         return None

@@ -35,6 +35,14 @@ Choices where the paper is silent (and what the authors' code does), written dow
   its "personalized" accuracy is w_{i,R}'s; the paper's personalized model is θ̃_i.
 - No extra L2 term in the inner solve (the code adds μ θ with μ = 0.001 to the inner gradient; the paper has none).
 - The inner and local steps are the paper's plain gradient steps: momentum, weight decay and Adam are refused.
+- The inner solve is checked (Sec. 3 asks for a δ-approximate θ̃_i, ||∇h_i(θ̃_i)|| small): at each round's last
+  local round the client measures ||∇h_i|| where the K steps started and at θ̃_i (one more gradient) and uploads
+  both; the round logs their mean at θ̃_i (``inner_grad_norm``) and the clients whose θ̃_i is no nearer the
+  minimiser than where it started (``inner_unsettled``), and the first such round warns, naming ν. Gradient
+  descent on h_i (λ-strongly convex near its minimiser, λ + L smooth) overshoots once ν (λ + L) > 2: with the
+  defaults ν λ = 1.35 already, so a client whose loss is steep (two classes, a sharp minimum) can see θ̃_i swing
+  between its classes from one round to the next. The paper's comparison ran with these values, so they stay
+  the defaults; the warning says when a run is in that regime.
 - Defaults: λ = 15, K = 5, ν = 0.09, β = 1: the paper's MNIST comparison with the same hyperparameters for every
   algorithm (non-convex DNN, η = 0.005, |D| = 20, R = 20, S = 5 of N = 20), the values the FedFomo and PersFL
   papers' pFedMe baselines ran with. Table 1's tuned MNIST values are λ = 15, ν = 0.1, β = 2, η = 0.01 (MLR) and λ = 30, ν = 0.05, β = 2, η = 0.01
@@ -89,20 +97,43 @@ def inner_step(theta: torch.Tensor, grad: torch.Tensor, pull: torch.Tensor, nu: 
     return theta.add_(grad, alpha=-nu)
 
 
+def inner_gradient_norm(grad: torch.Tensor, theta: torch.Tensor, w: torch.Tensor, lam: float) -> float:
+    """||∇h_i(θ)|| = ||∇f_i(θ; D) + λ (θ − w)||, the gradient norm of Eq. 7's objective at θ."""
+    return float(torch.linalg.vector_norm((grad + lam * (theta - w)).double()))
+
+
 def solve_inner(model: nn.Module, theta: torch.Tensor, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
-                p: PFedMeParams, loss_fn) -> tuple[torch.Tensor, torch.Tensor]:
+                p: PFedMeParams, loss_fn, measure: bool = False):
     """θ̃ ≈ argmin_θ f_i(θ; D) + λ/2 ||θ − w||² (Eq. 7) by K gradient steps of size ν from ``theta``, all on
     the same batch D, in place in ``theta`` (which may be the model's own flat weights: nothing is copied);
-    returns θ̃ and f_i(θ̃; D)."""
+    returns θ̃ and f_i(θ̃; D). ``measure``: also ||∇h_i|| where the solve started and at θ̃ (one more
+    gradient), the check that θ̃ is the δ-approximate minimiser Algorithm 1 asks for (Sec. 3: ||∇h_i(θ̃)||
+    small); when the second is not below the first, the K steps of size ν did not approach it."""
     pull = w * (p.personal_lr * p.lam)
+    start = None
     for _ in range(p.K):
         _, grad = gradient(model, theta, x, y, loss_fn, keep=False)
         with torch.no_grad():
+            if measure and start is None:
+                start = inner_gradient_norm(grad, theta, w, p.lam)
             inner_step(theta, grad, pull, p.personal_lr, p.lam)
+    if measure:
+        _, grad = gradient(model, theta, x, y, loss_fn, keep=False)
+        end = inner_gradient_norm(grad, theta, w, p.lam)
     with torch.no_grad():
         training.load_vector(model, theta)
         loss = loss_fn(model(x), y)
-    return theta, loss
+    return (theta, loss, start, end) if measure else (theta, loss)
+
+
+def unsettled_warning(p: PFedMeParams, unsettled: int, trained: int) -> str:
+    """The caveat when the inner solve moved away from its minimiser on some clients: ν·λ near or above 2
+    makes gradient descent on h_i (at least λ-smooth) overshoot, and θ̃_i, the model each client is scored
+    on, then swings from one batch to the next."""
+    return (f"pfedme: the inner solve did not settle on {unsettled} of {trained} clients (||grad h_i|| at the "
+            f"returned theta not below where it started: no delta-approximate minimiser, T. Dinh et al. 2020, "
+            f"Sec. 3); personal_lr={p.personal_lr:g} with lam={p.lam:g} (nu*lam = {p.personal_lr * p.lam:.2f}) "
+            f"overshoots: lower personal_lr")
 
 
 def local_update(w: torch.Tensor, theta: torch.Tensor, eta: float, lam: float) -> torch.Tensor:
@@ -130,6 +161,7 @@ class PFedMeServer(Server):
         super().__init__(*args, **kwargs)
         self.w = np.array(self.get([self.initial])[0], dtype=np.float32)  # the global model w_t
         self.global_ref = self.initial
+        self.pending, self.warned = [], False  # the inner solve's caveat, said once a run
 
     def run_round(self, stage, rnd, participants, call):
         """All clients (``train_all``) or the sampled ones run R local rounds from w_t; the sampled upload."""
@@ -140,9 +172,20 @@ class PFedMeServer(Server):
         ups = call("train", {c: sampled if c in chosen else others for c in targets}, reduce=UNIFORM)
         self.w = global_update(self.w, ups.reduced["weights"], self.params.beta)
         self.global_ref = self.put(self.w)
+        checked = [u for u in ups.values() if "inner_grad_end" in u]
+        unsettled = sum(u["inner_grad_end"] >= u["inner_grad_start"] for u in checked)
+        if unsettled and not self.warned:
+            self.pending.append(unsettled_warning(self.params, unsettled, len(checked)))
+            self.warned = True
         return {"train_loss": weighted_mean({c: ups[c] for c in participants}, "train_loss"),
                 "local_rounds_mean": float(np.mean([u["rounds"] for u in ups.values()])),
-                "trained_clients": len(ups)}
+                "trained_clients": len(ups),
+                "inner_grad_norm": float(np.mean([u["inner_grad_end"] for u in checked])) if checked else math.nan,
+                "inner_unsettled": float(unsettled)}
+
+    def warnings(self):
+        out, self.pending = self.pending, []
+        return out
 
     def eval_messages(self, stage, rnd, cids):
         return dict.fromkeys(cids, {"models": {"global": self.global_ref}})
@@ -177,14 +220,20 @@ class PFedMeClient(ClientLogic):
         loss_fn = training.loss_fn_for(s.task)
         rounds = local_rounds(int(x.shape[0]), s.batch_size, s.local_epochs, p.R)
         total = torch.zeros((), dtype=torch.float64, device=w.device)
-        for _ in range(rounds):
+        check = {}
+        for r in range(rounds):
             xb, yb = batches.next()
-            theta, loss = solve_inner(model, theta, w, xb, yb, p, loss_fn)
+            if r == rounds - 1:  # the θ̃_i the client keeps: is it near the minimiser of its h_i?
+                theta, loss, start, end = solve_inner(model, theta, w, xb, yb, p, loss_fn, measure=True)
+                check = {"inner_grad_start": start, "inner_grad_end": end}
+            else:
+                theta, loss = solve_inner(model, theta, w, xb, yb, p, loss_fn)
             w = local_update(w, theta, s.lr, p.lam)
             total += loss
         if rounds:
             client.load(theta)  # θ_i: what the client is evaluated on
-        up = {"rounds": rounds, "n": int(x.shape[0]), "train_loss": float(total) / rounds if rounds else float("nan")}
+        up = {"rounds": rounds, "n": int(x.shape[0]), "train_loss": float(total) / rounds if rounds else float("nan"),
+              **check}
         if msg["upload"]:
             up.update(weights=w.cpu().numpy(), one=1)
         return up
@@ -195,6 +244,8 @@ class PFedMeClient(ClientLogic):
 
 
 ALGORITHMS = [Algorithm("pfedme", PFedMeParams, PFedMeServer, PFedMeClient,
-                        "Moreau-envelope personalization, bi-level local updates (T. Dinh et al. 2020)",
+                        "Moreau-envelope personalization, bi-level local updates (T. Dinh et al. 2020); "
+                        "the paper's personal_lr=0.09 with lam=15 can overshoot the inner solve on steep "
+                        "clients: the run warns when it does",
                         work="FedAvg's batches, K inner steps on each; every client trains each round, the sampled "
                              "ones upload (T. Dinh et al. 2020, Alg. 1; train_all=False: only those)")]
