@@ -380,3 +380,32 @@ def test_the_split_separates_two_groups(partition):
     same_group = groups[:, None] == groups[None, :]
     assert sim[~same_group].max() < sim[same_group & ~np.eye(6, dtype=bool)].min()
     assert loop.final["test_acc_mean"] > 0.3  # above chance (0.1) on the synthetic data
+
+
+def purity(clusters, groups) -> float:
+    """The fraction of clients whose cluster's most common group is their own."""
+    clusters, groups = np.asarray(clusters), np.asarray(groups)
+    hits = sum(np.bincount(groups[clusters == c]).max() for c in np.unique(clusters))
+    return hits / len(groups)
+
+
+def test_purity_by_hand():
+    assert purity([0, 0, 1, 1], [0, 0, 1, 1]) == 1.0
+    assert purity([0, 0, 0, 1], [0, 1, 1, 1]) == 0.75
+    assert purity([0, 0, 0, 0], [0, 0, 1, 1]) == 0.5
+
+
+def test_the_fedfomo_authors_thresholds_split_two_conflicting_groups_within_20_rounds():
+    """ε1 = 0.42, ε2 = 1.6 and no warm-up (the FedFomo authors' code's CFL defaults) on a federation whose two
+    groups disagree about every label (each its own permutation): FedAvg's mean update shrinks while each
+    client's stays large, the criterion fires on its own, and the split follows the groups."""
+    cfg = tiny(algo="cfl", clients=8, rounds=20, partition="permutation", groups=2, group_assign="blocks", lr=0.3,
+               local_epochs=5, samples_per_client=100, params={"eps1": 0.42, "eps2": 1.6, "min_rounds": 0})
+    p = prepare(cfg)
+    loop = Loop(p, LocalRuntime(p)).run()
+    first = next(i for i, h in enumerate(loop.history) if h["clusters"] > 1)
+    before = loop.history[first]
+    assert first < 20 and before["splits"] >= 1
+    assert purity(loop.server.artifacts()["cluster"], p.info.groups) >= 0.9
+    # the rounds before the split did not meet the criterion, the split round did
+    assert all(not (h["mean_update_norm"] < 0.42 and h["max_update_norm"] > 1.6) for h in loop.history[:first])

@@ -23,7 +23,7 @@ import numpy as np
 import pandas as pd
 
 from rayfl.comparison.presets import PRESETS
-from rayfl.comparison.table import CLASSIFICATION, REGRESSION, SAME_WORK, WORK, Agreement, bar_chart, markdown, ordering_agreement, summarize_runs, with_paper
+from rayfl.comparison.table import CLASSIFICATION, REGRESSION, SAME_WORK, SETTINGS, WORK, Agreement, bar_chart, markdown, ordering_agreement, summarize_runs, with_paper
 from rayfl.config import UserError, make_config, shown
 from rayfl.divergence import Diverged
 from rayfl.session import check_threads_here, check_tracking_store, make_run_dir, shutdown_ray, start_ray
@@ -154,10 +154,35 @@ def build_configs(algos: Sequence[str] | None, seeds: Sequence[int], preset: str
         for s in seeds:
             own = {**(p.params.get(a, {}) if p else {}), **{k: v for k, v in params.items() if k in knobs[row]},
                    **own_knobs}
-            cfg = make_config(None, {**(p.config if p else {}), **config, **own_config, "algo": a, "seed": s,
-                                     "params": own})
+            cfg = make_config(None, {**(p.config if p else {}), **(p.row_config.get(a, {}) if p else {}), **config,
+                                     **own_config, "algo": a, "seed": s, "params": own})
             cfg.check()
             out.append((row, cfg))
+    return out
+
+
+def row_settings(planned: list[tuple[str, object]]) -> dict[str, str]:
+    """Row label -> what its runs set apart from the rest of the table: the algorithm's knobs that differ from
+    its defaults, and the config values that differ from most rows' (a preset's row_config, a row's own
+    ``:KEY=VALUE``), as ``key=value`` words ("" for a row that is the algorithm as ``rayfl run`` runs it)."""
+    from collections import Counter
+
+    from rayfl.algorithms import get_algorithm
+
+    first = dict(planned)  # one config per row (the seeds differ in the seed only)
+    flats = {row: {k: v for k, v in cfg.to_flat().items() if not k.startswith("param.")
+                   and k not in ("algo", "seed", "run_name")} for row, cfg in first.items()}
+    usual = {k: Counter(repr(f[k]) for f in flats.values() if k in f).most_common(1)[0][0]
+             for k in {k for f in flats.values() for k in f}}
+    out = {}
+    for row, cfg in first.items():
+        defaults = dataclasses.asdict(get_algorithm(cfg.algo).make_params({}))
+        knobs = [f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
+                 for k, v in dataclasses.asdict(get_algorithm(cfg.algo).make_params(cfg.params)).items()
+                 if v != defaults.get(k)]
+        own = [f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in flats[row].items()
+               if repr(v) != usual[k]]
+        out[row] = " ".join(knobs + own)
     return out
 
 
@@ -253,6 +278,7 @@ def compare(algos: Sequence[str] | None = None, seeds: Sequence[int] = (0, 1, 2)
     planned = build_configs(algos, seeds, preset, params, **config)
     # every user mistake surfaces here, before anything starts
     prepared = [(row, prepare(cfg)) for row, cfg in planned]
+    settings = row_settings(planned)
     base = planned[0][1]
     check_threads_here(max(cfg.torch_threads for _, cfg in planned), address if runtime == "ray" else None)
     uri = resolve_tracking_uri(base.tracking_uri)
@@ -318,6 +344,8 @@ def compare(algos: Sequence[str] | None = None, seeds: Sequence[int] = (0, 1, 2)
             key = "test_acc_mean" if "test_acc_mean" in out["final"] else "test_loss_mean"
             outcome = f"{key} {out['final'].get(key, math.nan):.4f}"
             rows = final_rows(row, cfg.seed, out)
+        for r in rows:
+            r[SETTINGS] = settings[row]
         if say:
             finished.append(label)
             done, elapsed = len(finished), time.perf_counter() - t_start

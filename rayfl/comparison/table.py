@@ -21,6 +21,7 @@ ALSO = ("val_acc_mean",)  # for choosing defaults on validation; never used to p
 PRIVACY = ("dp_epsilon_mean", "dp_epsilon_max")  # epsilon reached at the run's delta, across clients (rayfl.privacy)
 WEIGHTS = ("w_same_group_mean", "cousage_neighbour_mean", "cousage_far_mean")  # FedeRiCo's collaboration
 WORK, SAME_WORK = "local work", "as FedAvg"  # a row's local work per round (Algorithm.work), shown where any differs
+SETTINGS = "settings"  # what a row sets apart from the table's other rows (rayfl.comparison.run.row_settings)
 
 
 def columns(runs: pd.DataFrame) -> list[str]:
@@ -44,6 +45,8 @@ def summarize_runs(runs: pd.DataFrame, order: list[str] | None = None) -> pd.Dat
         sub = sub[sub["diverged"].isna()] if "diverged" in sub else sub
         row = {"algo": algo, "seeds": int(len(sub)),
                "diverged": ("round " + ", ".join(str(int(r)) for r in failed)) if len(failed) else ""}
+        if SETTINGS in runs:
+            row[SETTINGS] = next((str(v) for v in runs.loc[runs["algo"] == algo, SETTINGS] if v == v), "")
         for c in cols:
             vals = sub[c].dropna().to_numpy(dtype=np.float64)
             row[c] = float(vals.mean()) if vals.size else math.nan
@@ -128,10 +131,11 @@ def _header(column: str) -> str:
 
 def markdown(table: pd.DataFrame) -> str:
     """The table as Markdown: ``mean ± std`` cells (accuracy in %), then the paper's numbers."""
-    metric_cols = [c for c in table.columns if c not in ("algo", "seeds", "diverged", WORK)
+    metric_cols = [c for c in table.columns if c not in ("algo", "seeds", "diverged", WORK, SETTINGS)
                    and not c.endswith("_std") and not c.startswith("paper ")]
     paper_cols = [c for c in table.columns if c.startswith("paper ")]
     work = [WORK] if WORK in table and (table[WORK] != SAME_WORK).any() else []
+    work += [SETTINGS] if SETTINGS in table and (table[SETTINGS] != "").any() else []
     head = ["algorithm", "seeds", *(_header(c) for c in metric_cols), *paper_cols, *work]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for _, r in table.iterrows():
