@@ -1,10 +1,13 @@
 """Each paper's headline setting, scaled to data we have, with the paper's numbers to print beside ours.
 
 A preset fixes the federation and training (config keys, as ``rayfl run`` flags set them), the algorithms
-compared, per-algorithm knobs, and the paper's reported values (percent, keyed by the table's columns).
-Flags the user types override the preset. The datasets are smaller than the papers' (MNIST's 10,000-image
-test set in ``--data-root`` stands in for CIFAR / EMNIST / FMNIST), so the paper's numbers are there for
-the *direction* of the comparison, not its level.
+compared, per-algorithm knobs and config, and the paper's reported values (percent, keyed by the table's
+columns). Flags the user types override the preset. A row is the baseline as the table's authors ran it: the
+settings the paper states, and where it names the code it ran a baseline with, that code's choices for what the
+paper leaves open (each cited beside its value below); ``rayfl run --algo X`` keeps X's own paper's defaults.
+Where the paper's data is MNIST (FedFomo's Table 1, PersFL's Table 3) the paper's numbers are a level to
+reach; where MNIST's 10,000-image test set in ``--data-root`` stands in for CIFAR / EMNIST / FMNIST they are
+there for the *direction* of the comparison.
 """
 
 from __future__ import annotations
