@@ -39,6 +39,10 @@ Choices where the paper is silent, written down:
   refused.
 - The finite difference is the plain central difference with the paper's δ (no scaling by ||g||).
 - Defaults: α = β = δ = 0.001, the paper's experiments (Sec. 5, MNIST and CIFAR-10; it also reports α = 0.01).
+- The pFedMe authors' re-implementation (github.com/CharlieDinh/pFedMe, users/userperavg.py), which the FedFomo
+  and PersFL papers ran Per-FedAvg with, counts its ``local_epochs`` as meta-steps of two batches each: a run of
+  that code with ``--local_epochs 20`` is ``tau=20`` here. Its FO step is this one since its March 2021 fix;
+  before it, the β step was taken from w̃ instead of w (two plain SGD steps).
 - Beside the personalized record, each client reports the un-adapted global model on its test split as the
   extra split ``global_model`` (``global_model_acc_mean``, ...): the "no update" column.
 """
