@@ -55,7 +55,10 @@ def round_problem(metrics: dict, per_client: dict[int, dict]) -> str | None:
 
 
 def model_has_nan(vector) -> bool:
-    return vector is not None and not np.isfinite(np.asarray(vector)).all()
+    """Whether a model's weight vector holds a NaN or an infinity (anything but a float array: no)."""
+    if not isinstance(vector, np.ndarray) or vector.dtype.kind not in "fc":
+        return False
+    return not np.isfinite(vector).all()
 
 
 def step_size_hint(cfg, params) -> str:

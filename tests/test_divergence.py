@@ -173,3 +173,12 @@ def test_compare_in_process_shows_the_row_as_diverged(nan_plugin, tmp_path):
     table = result.table.set_index("algo")
     assert table.loc["fednan", "diverged"] == "round 2, 2"
     assert "| fednan | 0 (2 diverged) | diverged (round 2, 2)" in result.markdown
+
+
+def test_a_model_has_nan_only_when_a_float_weight_is_not_finite():
+    from rayfl.divergence import model_has_nan
+
+    assert model_has_nan(np.array([0.0, np.inf], dtype=np.float32))
+    assert model_has_nan(np.array([np.nan]))
+    assert not model_has_nan(np.zeros(3, dtype=np.float32))
+    assert not model_has_nan(None) and not model_has_nan({"a": 1}) and not model_has_nan(np.arange(3))
