@@ -16,6 +16,7 @@ import sys
 from rayfl.config import UserError, check_value, did_you_mean
 from rayfl.flags import add_config_arguments, config_flags_given, config_from_args
 from rayfl.session import RayStartError
+from rayfl.user_input import mask_credentials
 
 
 class Parser(argparse.ArgumentParser):
@@ -135,9 +136,9 @@ def cmd_run(args) -> int:
         print(no_capacity_line(e), file=sys.stderr)
         return 1
     except Exception as e:  # the run failed inside Ray: say what, and where its remains are
-        print(f"rayfl: run failed: {_root_cause(e)}", file=sys.stderr)
+        print(f"rayfl: run failed: {mask_credentials(_root_cause(e))}", file=sys.stderr)
         if plan:
-            print(f"rayfl: what was logged is kept in MLflow ({plan['tracking_uri']}); checkpoints in "
+            print(f"rayfl: what was logged is kept in MLflow ({mask_credentials(plan['tracking_uri'])}); checkpoints in "
                   f"{plan['run_dir']}", file=sys.stderr)
         return 1
     where = f" {result.final['round']}" + (f" ({result.final['stage']})" if "stage" in result.final else "")
@@ -154,7 +155,14 @@ def cmd_sync(args) -> int:
     """``rayfl sync RUN_DIR``: what a run kept for an unreachable tracking server, to its MLflow run."""
     from rayfl.tracking_outbox import sync
 
-    sync(args.run_dir, args.tracking_uri, say=print)
+    try:
+        sync(args.run_dir, args.tracking_uri, say=print)
+    except (UserError, KeyboardInterrupt):
+        raise
+    except Exception as e:  # noqa: BLE001 - the store refused what it was sent, or stopped answering mid-way
+        print(f"rayfl: sync failed: {mask_credentials(_root_cause(e))}; what was delivered is recorded: sync "
+              f"again to send the rest", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -472,9 +472,18 @@ def check_tracking_uri(uri: str) -> None:
             raise UserError(f"tracking_uri={shown(uri)}: the port must be a number in 0-65535") from None
         if not url.hostname:
             raise UserError(f"tracking_uri={shown(uri)}: no host; expected {url.scheme}://HOST[:PORT]")
-    if tracking_scheme(uri) is None:
+    scheme = tracking_scheme(uri)
+    if scheme in ("", "file") and uri not in ("databricks", "databricks-uc", "uc") and not file_store_allowed():
+        raise UserError(f"tracking_uri={shown(uri)}: a file store; MLflow 3 refuses its filesystem backend unless "
+                        f"MLFLOW_ALLOW_FILE_STORE=true is set: use sqlite:///PATH (a file) instead")
+    if scheme is None:
         schemes = ", ".join(sorted(s or "a path" for s in TRACKING_SCHEMES | DATABASE_SCHEMES))
         raise UserError(f"tracking_uri={shown(uri)}: unknown scheme; allowed: {schemes}")
+
+
+def file_store_allowed() -> bool:
+    """Whether MLflow 3 opens a file store (a path, ``file:``): only with ``MLFLOW_ALLOW_FILE_STORE`` true."""
+    return os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _convert(name: str, value: Any) -> Any:

@@ -9,8 +9,8 @@ as it is registered: a mistake is one line before Ray starts.
 Ray runs the work in other processes. What was registered here travels with the run (:func:`carried`, inside
 what the driver, the client actors and a sweep's trials receive) and is registered there when it arrives; a
 module loaded from a file is not importable there, so its classes are pickled by value. A run directory
-records which plugins were loaded (paths and module names, never code), for ``--resume``
-(:func:`write_record`, :func:`reload_recorded`); :func:`loaded_sources` is the list a cluster's runtime
+records which plugins were loaded (paths and module names, never code), for ``--resume``, which imports none
+of them: they must be given again (:func:`write_record`, :func:`rayfl.resume.check_recorded_plugins`); :func:`loaded_sources` is the list a cluster's runtime
 environment would ship.
 """
 
@@ -333,39 +333,6 @@ def write_record(run_dir: str, algo: str) -> None:
         return
     with open(path, "w") as f:
         yaml.safe_dump({"plugins": entries}, f, sort_keys=False)
-
-
-def reload_recorded(run_dir: str) -> None:
-    """Load again the plugins a run directory records, before its config is read (its algorithm may be one of
-    them). One that cannot be loaded, and whose algorithms are not registered otherwise (``--plugin`` with its new
-    path), is one line naming it."""
-    from rayfl.config import load_yaml
-
-    path = os.path.join(run_dir, RECORD)
-    if not os.path.isfile(path):
-        return
-    data = load_yaml(path, "plugin record") or {}
-    entries = data.get("plugins") if isinstance(data, dict) else None
-    if not isinstance(entries, list) or not all(isinstance(e, dict) and isinstance(e.get("source"), str)
-                                                for e in entries):
-        raise UserError(f"--resume {run_dir!r}: {RECORD} there is not a list of plugins (source, algorithms)")
-    load_plugins(env=True)
-    for entry in entries:
-        names = [n for n in entry.get("algorithms") or [] if isinstance(n, str)]
-        known = set(registry.algorithm_names())
-        if names and all(n in known for n in names):
-            continue
-        source = entry["source"]
-        if source.startswith("python:"):
-            raise UserError(f"--resume {run_dir!r}: its algorithm {', '.join(names)} was registered from Python "
-                            f"({source[len('python:'):]}); register it again (rayfl.register_algorithm) before "
-                            f"resuming")
-        try:
-            load_plugin(source)
-        except UserError as e:
-            reason = (str(e).partition(": ")[2] or str(e)).split(" (a plugin is")[0]
-            raise UserError(f"--resume {run_dir!r}: the run used plugin {source!r}, which cannot be loaded now "
-                            f"({reason}); give it with --plugin FILE") from None
 
 
 def _shown(value: Any, limit: int = 80) -> str:

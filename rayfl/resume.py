@@ -14,7 +14,44 @@ import os
 
 import numpy as np
 
-from rayfl.config import UserError
+from rayfl.config import UserError, shown
+
+
+def check_recorded_plugins(run_dir: str) -> None:
+    """The plugins a run directory records (``plugins.yaml``) must be loaded already, by ``--plugin`` /
+    ``plugins=`` or ``$RAYFL_PLUGINS``: a directory handed over names code, it never runs it. A recorded plugin
+    counts as given again when its algorithms are registered now (a file moved elsewhere, given by its new path)
+    or its source was loaded; the first that is neither is one line naming it."""
+    from rayfl import algorithms as registry
+    from rayfl.config import load_yaml
+    from rayfl.plugins import RECORD, load_plugins, loaded_sources
+
+    path = os.path.join(run_dir, RECORD)
+    if not os.path.lexists(path):
+        return
+    if not os.path.isfile(path) or os.path.islink(path):
+        raise UserError(f"--resume {run_dir!r}: {RECORD} there is not a regular file")
+    data = load_yaml(path, "plugin record") or {}
+    entries = data.get("plugins") if isinstance(data, dict) else None
+    if not isinstance(entries, list) or not all(
+            isinstance(e, dict) and isinstance(e.get("source"), str)
+            and isinstance(e.get("algorithms") or [], list) for e in entries):
+        raise UserError(f"--resume {run_dir!r}: {RECORD} there is not a list of plugins (source, algorithms)")
+    load_plugins(env=True)  # entry points and $RAYFL_PLUGINS, which the user's environment names
+    known, loaded = set(registry.algorithm_names()), set(loaded_sources())
+    for entry in entries:
+        source = entry["source"]
+        names = [n for n in entry.get("algorithms") or [] if isinstance(n, str)]
+        if (names and all(n in known for n in names)) or source in loaded:
+            continue
+        what = f" (algorithm {', '.join(names)})" if names else ""
+        if source.startswith("python:"):
+            raise UserError(f"--resume {run_dir!r}: its algorithm {', '.join(names)} was registered from Python "
+                            f"({source[len('python:'):]}); register it again (rayfl.register_algorithm) before "
+                            f"resuming")
+        raise UserError(f"--resume {run_dir!r}: the run used plugin {shown(source)}{what}, which is not loaded; "
+                        f"a run directory's plugins are never imported from it: give it again with --plugin "
+                        f"FILE_OR_MODULE (or $RAYFL_PLUGINS) if you trust it")
 
 
 def check_checkpoint(run_dir: str, prepared) -> None:

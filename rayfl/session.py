@@ -225,12 +225,7 @@ def check_tracking_store(uri: str, experiment: str) -> None:
     server that does not answer, refused before anything starts (the store itself is opened by the run's
     driver, in the background; MLflow would retry a silent server for minutes)."""
     if uri.startswith(("http://", "https://")):
-        import urllib.parse
-
-        url = urllib.parse.urlparse(uri)
-        port = url.port or (443 if url.scheme == "https" else 80)
-        reason = unreachable(url.hostname, port) if url.hostname else None
-        problem = f"no server answers at {url.hostname}:{port}: {reason}" if reason else None
+        problem = tracking_server_problem(uri)
     elif uri.startswith("sqlite:////"):  # SQLite makes the file, not its directory
         path = uri[len("sqlite:///"):]
         folder = os.path.dirname(path)
@@ -246,6 +241,41 @@ def check_tracking_store(uri: str, experiment: str) -> None:
         return
     if problem:
         raise UserError(f"tracking_uri={uri!r}: cannot open experiment {experiment!r} there ({problem})")
+
+
+TRACKING_ANSWER_S = 5.0  # the longest a tracking server may take to answer the check's one request
+
+
+def tracking_server_problem(uri: str, timeout: float = TRACKING_ANSWER_S) -> str | None:
+    """Why the tracking server at an http(s) ``uri`` would not serve a run: nothing listens, it accepts but
+    sends no answer within ``timeout`` seconds (MLflow would wait and retry for minutes), or it answers its
+    health check (``GET <uri>/health``, MLflow's) with a server error (5xx). None when it answers otherwise
+    (an authentication challenge is the client's business). No credentials are sent."""
+    import http.client
+    import ssl
+    import urllib.parse
+
+    url = urllib.parse.urlparse(uri)
+    host, port = url.hostname, url.port or (443 if url.scheme == "https" else 80)
+    reason = unreachable(host, port)
+    if reason:
+        return f"no server answers at {host}:{port}: {reason}"
+    if url.scheme == "https":  # a liveness check only: nothing secret is sent, the certificate is MLflow's concern
+        conn = http.client.HTTPSConnection(host, port, timeout=timeout, context=ssl._create_unverified_context())
+    else:
+        conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        conn.request("GET", url.path.rstrip("/") + "/health")
+        status = conn.getresponse().status
+    except TimeoutError:
+        return f"the server at {host}:{port} accepted a connection but sent no answer in {timeout:g} s"
+    except (OSError, http.client.HTTPException) as e:
+        return f"the server at {host}:{port} did not answer as an HTTP server does ({type(e).__name__})"
+    finally:
+        conn.close()
+    if status >= 500:
+        return f"the server at {host}:{port} answered its health check with HTTP {status} (a server error)"
+    return None
 
 
 def check_threads_here(threads: int, address: str | None) -> None:
@@ -338,9 +368,9 @@ def load_run_dir(run_dir: str):
     saved = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(saved):
         raise UserError(f"--resume {run_dir!r}: no config.yaml there (not a rayfl run directory)")
-    from rayfl.plugins import reload_recorded
+    from rayfl.resume import check_recorded_plugins
 
-    reload_recorded(run_dir)  # the plugins the run loaded (its algorithm may be one), before its config is read
+    check_recorded_plugins(run_dir)  # the plugins it recorded are given again (never imported from it)
     try:
         cfg = make_config(None, read_yaml(saved))
     except UserError as e:

@@ -8,6 +8,7 @@ datasets, models) can all use it without importing one another.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 
@@ -19,11 +20,20 @@ class UserError(Exception):
 
     def __init__(self, message: Any = "", *args):
         if isinstance(message, str):
-            message = message.replace("\r", "\\r").replace("\n", "\\n")
+            message = mask_credentials(message).replace("\r", "\\r").replace("\n", "\\n")
             if len(message) > MAX_MESSAGE:
                 half = MAX_MESSAGE // 2
                 message = f"{message[:half]} ...[{len(message) - 2 * half} characters]... {message[-half:]}"
         super().__init__(message, *args)
+
+
+# scheme://user:password@ in a URI: the password is never printed
+_CREDENTIALS = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^/\s:@'\"]*):[^/\s@'\"]*@")
+
+
+def mask_credentials(text: str) -> str:
+    """``text`` with the password of every ``scheme://user:password@host`` in it replaced by ``***``."""
+    return _CREDENTIALS.sub(r"\1:***@", text)
 
 
 MAX_MESSAGE = 2000  # characters of one error line (the longest own message, every config key listed, is ~900)
