@@ -14,13 +14,13 @@ from typing import Any, Mapping
 import yaml
 
 from rayfl.algorithms import DEFAULT_ALGORITHM
-from rayfl.user_input import KIND_TEXT, MAX_MESSAGE, UserError, did_you_mean, to_kind  # noqa: F401 - re-exported
+from rayfl.user_input import (KIND_TEXT, MAX_COUNT, MAX_EPOCHS, MAX_MESSAGE, UserError, check_count,  # noqa: F401
+                              did_you_mean, to_kind)
 
 MAX_TEXT = 4096  # characters of a string value (a path, a name, a URI: PATH_MAX on Linux is 4096 bytes)
 MAX_DEPTH = 32  # nesting of a config value or a YAML file (a config is 2 levels deep, a space file 4)
 MAX_VALUES = 10_000  # values in one config, space file or config value, aliases expanded
 MAX_FILE_BYTES = 1 << 20  # a config or space file (the largest shipped is about 2 KB)
-MAX_COUNT = 10**7  # clients, rounds, batch sizes, samples, ...: beyond any dataset or run this platform holds
 MAX_TORCH_THREADS = 256  # per client actor; a private local instance also caps them at this machine's CPUs
 
 
@@ -153,13 +153,19 @@ class Config:
             if getattr(self, name) < 0:
                 raise UserError(f"{name}={getattr(self, name)}: must be an integer >= 0")
         for name in COUNTS:
-            if getattr(self, name) > MAX_COUNT:
-                raise UserError(f"{name}={getattr(self, name)}: must be at most {MAX_COUNT:,}")
+            try:
+                check_count(getattr(self, name), name)
+            except ValueError as e:
+                raise UserError(f"{name}={getattr(self, name)}: {e}") from None
         if self.torch_threads > MAX_TORCH_THREADS:
             raise UserError(f"torch_threads={self.torch_threads}: must be at most {MAX_TORCH_THREADS} (threads of "
                             f"one client actor)")
         for name in ("participation", "majority"):
             _fraction(name, getattr(self, name), low_open=True)
+        poisson = self.dp_noise > 0 and self.dp_level == "user"  # users sampled one by one: any rate is a rate
+        if not poisson and self.participation * self.clients < 0.5:
+            raise UserError(f"participation={self.participation:g}: samples {self.participation:g} x {self.clients} "
+                            f"clients, none, a round; must be at least {0.5 / self.clients:g} (half a client)")
         for name in ("val_frac", "test_frac"):
             _fraction(name, getattr(self, name), low_open=False, high_open=True)
         if self.val_frac + self.test_frac >= 1:
@@ -209,6 +215,9 @@ class Config:
                 params.check_config(self)
         except ValueError as e:
             raise UserError(str(e)) from None
+        except Exception as e:  # noqa: BLE001 - a plugin's check may raise anything: one line naming it
+            raise UserError(f"algo={self.algo!r}: its Params check raised {type(e).__name__}: "
+                            f"{str(e).splitlines()[0] if str(e) else ''}") from None
 
     def to_flat(self) -> dict[str, Any]:
         """All resolved values as flat MLflow params (algorithm knobs as ``param.<name>``)."""

@@ -83,8 +83,13 @@ def check_checkpoint(run_dir: str, prepared) -> None:
     for key, kind in (("history", list), ("setup_metrics", dict), ("dp_history", list)):
         if key in state and not isinstance(state[key], kind):
             raise refuse(f"{key}: a {type(state[key]).__name__}, expected a {kind.__name__}")
-    if not all(isinstance(rec, dict) for rec in state["history"]):
-        raise refuse("history: every round's record must be a mapping")
+    stages = [stage.name for stage in server.stages()]
+    problem = _history_problem(state["history"], step, stages)
+    if problem:
+        raise refuse(problem)
+    if "dp_history" in state and not all(isinstance(h, (list, tuple)) and all(_number(v) for v in h)
+                                         for h in state["dp_history"]):
+        raise refuse("dp_history: every entry must be a list of numbers")
     template = server.state_dict()
     for name in getattr(server, "growing_state", ()):  # arrays a Server declares to change shape over a run
         if isinstance(template.get(name), np.ndarray):
@@ -122,6 +127,30 @@ def check_checkpoint(run_dir: str, prepared) -> None:
                 raise refuse(f"clients[{cid}]: cannot be loaded ({type(e).__name__}: {str(e)[:100]})") from None
     finally:
         restore()
+
+
+def _number(v) -> bool:
+    return type(v) in (int, float) or isinstance(v, (np.integer, np.floating))
+
+
+def _history_problem(history: list, step: int, stages: list) -> str | None:
+    """What is wrong with the rounds' records a checkpoint holds, if anything: each is a mapping with the
+    round's ``step`` (increasing, at most the checkpoint's), the name of one of the run's stages, and numbers
+    (NaN included: a diverged round is one) under names of metrics."""
+    last = -1
+    for i, rec in enumerate(history):
+        if not isinstance(rec, dict):
+            return f"history[{i}]: a {type(rec).__name__}, expected a round's record (a mapping)"
+        s = rec.get("step")
+        if type(s) is not int or not last < s <= step:
+            return f"history[{i}].step={str(s)[:40]}: must be a round index after the one before, at most {step}"
+        if rec.get("stage") not in stages:
+            return f"history[{i}].stage={str(rec.get('stage'))[:40]}: not one of this run's stages ({', '.join(stages)})"
+        for key, value in rec.items():
+            if key not in ("step", "stage") and not (isinstance(key, str) and _number(value)):
+                return f"history[{i}][{str(key)[:40]!r}]: must be a metric name with a number"
+        last = s
+    return None
 
 
 def _check_weights(tree, initial: np.ndarray, where: str) -> None:

@@ -48,6 +48,26 @@ def did_you_mean(word: str, choices) -> str:
 
 
 KIND_TEXT = {int: "an integer", float: "a finite number", bool: "true or false", str: "a string"}
+MAX_COUNT = 10**7  # clients, rounds, batch sizes, samples, integer knobs: beyond any dataset or run rayfl holds
+MAX_EPOCHS = 10_000  # passes over a client's data in one round or stage (local_epochs, a knob named *_epochs)
+# A real number's magnitude, where it is not 0: beyond these a value is a typo that overflows (1e300 squared is
+# infinite) or underflows (1e-300 of anything is 0), not a setting.
+MAX_MAGNITUDE = 1e12
+MIN_MAGNITUDE = 1e-12
+
+
+def check_magnitude(value: float) -> None:
+    """ValueError for a number whose magnitude is beyond [MIN_MAGNITUDE, MAX_MAGNITUDE] (0 is fine)."""
+    if value != 0 and not MIN_MAGNITUDE <= abs(value) <= MAX_MAGNITUDE:
+        raise ValueError(f"must be 0 or of magnitude in [{MIN_MAGNITUDE:g}, {MAX_MAGNITUDE:g}]")
+
+
+def check_count(value: int, name: str = "") -> None:
+    """ValueError for an integer beyond MAX_COUNT in magnitude (or MAX_EPOCHS, for a name ending in epochs)."""
+    bound = MAX_EPOCHS if name.endswith("epochs") else MAX_COUNT
+    if abs(value) > bound:
+        raise ValueError(f"must be at most {bound:,}" + (" (passes over a client's data)" if bound == MAX_EPOCHS
+                                                         else ""))
 
 
 def to_kind(value: Any, kind: type) -> Any:
@@ -81,6 +101,8 @@ def to_kind(value: Any, kind: type) -> Any:
         raise ValueError(expected) from None
     if isinstance(number, float) and not math.isfinite(number):
         raise ValueError("must be a finite number")
+    if kind is float:
+        check_magnitude(number)
     if kind is int:
         if isinstance(number, float) and not number.is_integer():
             raise ValueError(expected)
