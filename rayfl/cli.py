@@ -109,6 +109,8 @@ def cmd_run(args) -> int:
     from rayfl.api import run_config
     from rayfl.progress import ConsoleProgress, mlflow_hint, summary_table
 
+    if args.resume is not None and not args.resume.strip():
+        raise UserError(f"--resume {args.resume!r}: empty path; give a run directory")
     if args.resume:
         extra = config_flags_given(args)
         if extra:

@@ -191,11 +191,13 @@ class Config:
             raise UserError(f"stage_cache={self.stage_cache!r}: exists and is not a directory")
         if self.data_root is not None and not os.path.isdir(os.path.expanduser(self.data_root)):
             raise UserError(f"data_root={self.data_root!r}: no such directory")
-        if not self.experiment.strip():
-            raise UserError(f"experiment={self.experiment!r}: must be a non-empty name")
+        if not self.experiment.strip() or not self.experiment.isprintable():
+            raise UserError(f"experiment={shown(self.experiment)}: must be a non-empty name without control "
+                            f"characters")
         if self.run_name is not None and (not self.run_name.strip() or "/" in self.run_name
-                                          or self.run_name in (".", "..")):
-            raise UserError(f"run_name={self.run_name!r}: must be a non-empty name without '/'")
+                                          or self.run_name in (".", "..") or not self.run_name.isprintable()):
+            raise UserError(f"run_name={shown(self.run_name)}: must be a non-empty name without '/' or control "
+                            f"characters")
         if not self.out_dir.strip():
             raise UserError(f"out_dir={self.out_dir!r}: must be a directory path")
         if os.path.exists(os.path.expanduser(self.out_dir)) and not os.path.isdir(os.path.expanduser(self.out_dir)):
@@ -313,7 +315,7 @@ def make_config(file: str | None = None, overrides: Mapping[str, Any] | None = N
     """Defaults, then a YAML file, then explicit overrides (flags); unknown keys are user errors."""
     values: dict[str, Any] = {}
     where = f" in {file}" if file else ""
-    if file:
+    if file is not None:
         values.update(read_yaml(file))
     for k, v in [*values.items(), *(overrides or {}).items()]:  # bounded before anything walks or quotes them
         check_value(str(k) if isinstance(k, str) and len(k) <= 80 else f"config key {shown(k)}", k)
@@ -406,6 +408,22 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             size(node)
         return node
 
+    def construct_yaml_int(self, node):
+        text = str(node.value).replace("_", "").lstrip("+-")
+        if ":" in text or (len(text) > 1 and text.startswith("0") and text.isdigit()):
+            kind = "sexagesimal (base 60)" if ":" in text else "octal"
+            raise _TooLarge(f"{node.value!r} is a YAML 1.1 {kind} number ({super().construct_yaml_int(node)}); "
+                            f"write the number you mean, or quote it as text", node.start_mark.line + 1)
+        if len(text) > MAX_DIGITS:
+            raise _TooLarge(f"an integer of {len(text):,} digits; at most {MAX_DIGITS}", node.start_mark.line + 1)
+        return super().construct_yaml_int(node)
+
+    def construct_yaml_float(self, node):
+        if ":" in str(node.value):
+            raise _TooLarge(f"{node.value!r} is a YAML 1.1 sexagesimal (base 60) number; write the number you "
+                            f"mean, or quote it as text", node.start_mark.line + 1)
+        return super().construct_yaml_float(node)
+
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
@@ -417,9 +435,16 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _UniqueKeyLoader.construct_yaml_int)
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:float", _UniqueKeyLoader.construct_yaml_float)
+MAX_DIGITS = 30  # of an integer in a YAML file or value (a seed has 10; Python refuses to read past 4,300)
+
+
 def load_yaml(path: str, what: str) -> Any:
     """A YAML file's content, or one line naming the file (``what``: "config file", "space file"). The safe
     loader builds no objects from tags, so loading a file never runs code."""
+    if not str(path).strip():
+        raise UserError(f"{what} {path!r}: empty path; give a file, or leave the flag out")
     if not os.path.isfile(path):
         raise UserError(f"{what} {path!r}: no such file")
     try:

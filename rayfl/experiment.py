@@ -89,6 +89,9 @@ def prepare(cfg: Config) -> Prepared:
             check_run(info, model)
         except ValueError as e:
             raise UserError(str(e)) from None
+        except Exception as e:  # noqa: BLE001 - a plugin's check may raise anything: one line naming it
+            raise UserError(f"algo={cfg.algo!r}: its Params.check_run raised {type(e).__name__}: "
+                            f"{str(e).splitlines()[0] if str(e) else ''}") from None
     if cfg.dp_noise > 0:
         from rayfl.privacy import check_model
 

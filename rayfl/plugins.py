@@ -16,6 +16,7 @@ environment would ship.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import importlib.util
@@ -133,31 +134,81 @@ def _import(source: str, what: str) -> tuple[str, types.ModuleType]:
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module  # dataclasses and pickling look the module up by name while it runs
         try:
-            spec.loader.exec_module(module)
-        except Exception as e:  # noqa: BLE001 - whatever the file raises: one line with its message
+            with _import_guard(what):
+                spec.loader.exec_module(module)
+        except BaseException:
             del sys.modules[name]
-            raise UserError(f"{what}: importing it failed: {_first_line(e)}") from None
+            raise
         module.__rayfl_plugin__ = path
         return path, module
     if text in _loaded:
         return text, _loaded[text]["module"]
     try:
-        module = importlib.import_module(text)
-    except ModuleNotFoundError as e:
-        if e.name and (text == e.name or text.startswith(e.name + ".")):
-            raise UserError(f"{what}: no such file or module (a plugin is a .py file, or a dotted module name "
-                            f"importable from sys.path)") from None
-        raise UserError(f"{what}: importing it failed: {_first_line(e)}") from None
-    except Exception as e:  # noqa: BLE001
-        raise UserError(f"{what}: importing it failed: {_first_line(e)}") from None
+        with _import_guard(what):
+            module = importlib.import_module(text)
+    except _NotFound:
+        raise UserError(f"{what}: no such file or module (a plugin is a .py file, or a dotted module name "
+                        f"importable from sys.path)") from None
     module.__rayfl_plugin__ = text
     return text, module
 
 
+SLOW_IMPORT_S = 5.0  # an import still going after this long is announced (it may be waiting on something)
+
+
+class _NotFound(Exception):
+    pass
+
+
+class _ExitCalled(BaseException):
+    def __init__(self, code):
+        super().__init__(f"os._exit({code})")
+
+
+@contextlib.contextmanager
+def _import_guard(what: str):
+    """Importing a plugin: whatever it raises, an exit included (``sys.exit``, ``os._exit`` while it imports, a
+    KeyboardInterrupt), is one line naming it; an import still going after SLOW_IMPORT_S is announced."""
+    import threading
+
+    timer = threading.Timer(SLOW_IMPORT_S, lambda: print(f"rayfl: importing {what} is taking more than "
+                                                         f"{SLOW_IMPORT_S:g} s ...", file=sys.stderr, flush=True))
+    timer.daemon = True
+    real_exit = os._exit
+
+    def refuse_exit(code=0):
+        raise _ExitCalled(code)
+
+    os._exit = refuse_exit
+    timer.start()
+    try:
+        yield
+    except ModuleNotFoundError as e:
+        name = what.split("=", 1)[-1].strip(" '\"")
+        if e.name and (name == e.name or name.startswith(e.name + ".")):
+            raise _NotFound() from None
+        raise UserError(f"{what}: importing it failed: {_first_line(e)}") from None
+    except (SystemExit, _ExitCalled) as e:
+        code = e.code if isinstance(e, SystemExit) else str(e)
+        raise UserError(f"{what}: importing it called {'sys.exit(' + repr(code) + ')' if isinstance(e, SystemExit) else code}; "
+                        f"a plugin must define its algorithms, datasets or models, not end the program") from None
+    except BaseException as e:  # noqa: BLE001 - whatever the file raises, a KeyboardInterrupt included: one line
+        if isinstance(e, UserError):
+            raise
+        raise UserError(f"{what}: importing it failed: {_first_line(e)}") from None
+    finally:
+        timer.cancel()
+        os._exit = real_exit
+
+
 def _objects(module: types.ModuleType, names: tuple[str, str]) -> list:
     one, many = names
-    out = [getattr(module, one)] if hasattr(module, one) else []
-    listed = getattr(module, many, None)
+    try:
+        out = [getattr(module, one)] if hasattr(module, one) else []
+        listed = getattr(module, many, None)
+    except Exception as e:  # noqa: BLE001 - a module __getattr__ that raises: one line naming the plugin
+        raise UserError(f"plugin {_source_of(module) or module.__name__}: reading {one} / {many} from it raised "
+                        f"{_first_line(e)}") from None
     if listed is not None:
         if not isinstance(listed, (list, tuple)):
             raise UserError(f"plugin {_source_of(module)}: {many} must be a list")

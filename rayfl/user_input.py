@@ -27,16 +27,23 @@ class UserError(Exception):
         super().__init__(message, *args)
 
 
-# scheme://user:password@ in a URI: the password is never printed
-_CREDENTIALS = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^/\s:@'\"]*):[^/\s@'\"]*@")
+# ://user:password@ in a URI: the password is never printed (a literal start: linear in the text's length)
+_CREDENTIALS = re.compile(r"://([^/\s:@'\"]*):[^/\s@'\"]*@")
 
 
 def mask_credentials(text: str) -> str:
     """``text`` with the password of every ``scheme://user:password@host`` in it replaced by ``***``."""
-    return _CREDENTIALS.sub(r"\1:***@", text)
+    return _CREDENTIALS.sub(r"://\1:***@", text) if "://" in text else text
 
 
 MAX_MESSAGE = 2000  # characters of one error line (the longest own message, every config key listed, is ~900)
+
+
+def same_value(value: Any) -> Any:
+    """What makes two given values the same setting: a number by its value (1 and 1.0), anything else by repr."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return ("number", float(value))
+    return repr(value)
 
 
 def did_you_mean(word: str, choices) -> str:

@@ -273,8 +273,9 @@ def resume_meta(s: SweepSettings) -> dict:
 
 def check_name(name, flag: str = "--name") -> None:
     """A sweep's name is its directory's name under the storage path."""
-    if not isinstance(name, str) or not name.strip() or "/" in name or "\\" in name or name in (".", ".."):
-        raise UserError(f"{flag}={name!r}: must be a directory name (no '/'), e.g. persfl-lam")
+    if not isinstance(name, str) or not name.strip() or "/" in name or "\\" in name or name in (".", "..") \
+            or not name.isprintable():
+        raise UserError(f"{flag}={name!r}: must be a directory name (no '/'), without control characters, e.g. persfl-lam")
 
 
 def check_counts(values: dict, style: str = "flag") -> None:
@@ -321,7 +322,7 @@ def _new_sweep(s: SweepSettings) -> dict:
                         f"{n_trials:,} trials; a sweep runs at most {MAX_TRIALS:,}")
     if search == "optuna":
         _search_alg("optuna", 0, 1, metric, mode)  # fails here, before anything starts, if optuna is missing
-    name = s.name or f"{plan.algo}-sweep-{time.strftime('%Y%m%d-%H%M%S')}"
+    name = s.name if s.name is not None else f"{plan.algo}-sweep-{time.strftime('%Y%m%d-%H%M%S')}"
     check_name(name)
     storage = os.path.abspath(s.storage_path or os.path.join(base_cfg.out_dir, "tune"))
     sweep_dir = os.path.join(storage, name)

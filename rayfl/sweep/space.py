@@ -17,6 +17,7 @@ from typing import Any
 
 
 from rayfl.config import FIELDS, UserError, load_yaml, make_config, shown
+from rayfl.user_input import same_value
 
 SECTIONS = ("fixed", "grid", "random")
 # name -> number of arguments (None: a list of values)
@@ -92,7 +93,7 @@ def load_space(path: str) -> Space:
             raise UserError(f"{path}: grid.{key}: already set in {seen[key]}")
         if not isinstance(values, list) or not values:
             raise UserError(f"{path}: grid.{key}: must be a non-empty list of values, e.g. [0.1, 0.5]")
-        if len(set(map(_same_value, values))) != len(values):
+        if len(set(map(same_value, values))) != len(values):
             raise UserError(f"{path}: grid.{key}: repeated values in {shown(values)} (1 and 1.0 are one value)")
         space.grid[key] = values
         seen[key] = "grid"
@@ -111,11 +112,6 @@ def load_space(path: str) -> Space:
 MAX_TRIALS = 10_000  # trials of one sweep (grid points x samples): Tune builds each before the first runs
 
 
-def _same_value(value: Any) -> Any:
-    """What makes two grid values the same trial: a number by its value (1 and 1.0), anything else by repr."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return ("number", float(value))
-    return repr(value)
 
 
 def _distribution(path: str, key: str, spec: Any) -> tuple[str, Any]:
