@@ -166,8 +166,8 @@ class Config:
         if not poisson and self.participation * self.clients < 0.5:
             raise UserError(f"participation={self.participation:g}: samples {self.participation:g} x {self.clients} "
                             f"clients, none, a round; must be at least {0.5 / self.clients:g} (half a client)")
-        for name in ("val_frac", "test_frac"):
-            _fraction(name, getattr(self, name), low_open=False, high_open=True)
+        _fraction("val_frac", self.val_frac, low_open=False, high_open=True)
+        _fraction("test_frac", self.test_frac, low_open=True, high_open=True)  # every run reports test metrics
         if self.val_frac + self.test_frac >= 1:
             raise UserError(f"val_frac + test_frac = {self.val_frac + self.test_frac:g}: must be below 1")
         for name in ("lr", "alpha", "size_sigma"):

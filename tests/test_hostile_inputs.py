@@ -434,3 +434,72 @@ def test_every_algorithms_checkpoints_pass_the_check(monkeypatch, tmp_path):
         p = prepare(cfg_for(algo, checkpoint_every=1))
         Loop(p, LocalRuntime(p), checkpoint_dir=str(tmp_path / algo)).run()
     assert {a for a, _ in checked} == set(ALGOS) and len(checked) >= 3 * len(ALGOS)
+
+
+# --------------------------------------------------------------------------------------------------
+# The battery (tests/hostile_battery.py, also its generator): directories handed over, hangs, memory,
+# tracebacks, silent accepts and raw exceptions, each one line with its exit status, nothing left behind
+# --------------------------------------------------------------------------------------------------
+import hostile_battery as battery  # noqa: E402 - the table lives beside its generator
+
+
+@pytest.fixture(scope="module")
+def battery_dir(tmp_path_factory) -> str:
+    t = str(tmp_path_factory.mktemp("battery"))
+    battery.build(t)  # once: every case is refused before it writes anything another case reads
+    return t
+
+
+@pytest.fixture
+def registries():
+    """What a case's plugins register in this process (algorithms, datasets, loaded sources) forgotten after it."""
+    from rayfl import algorithms, plugins
+    from rayfl.data import datasets
+
+    kept = [(d, dict(d)) for d in (algorithms._registered, algorithms._sources, plugins._loaded,
+                                   datasets._REGISTRY, datasets._LAST)]
+    yield
+    for d, before in kept:
+        d.clear()
+        d.update(before)
+
+
+@pytest.mark.parametrize("case", battery.CASES, ids=[c.id for c in battery.CASES])
+def test_battery(case, battery_dir, registries, monkeypatch, capsys, ray_inits):
+    t = battery_dir
+    monkeypatch.chdir(t)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("RAYFL_PLUGINS", raising=False)
+    for key, value in case.env.items():
+        monkeypatch.setenv(key, value)
+    if case.available is not None:  # the memory the budget sees: a small input stands for a large one
+        import psutil
+
+        real = psutil.virtual_memory
+        monkeypatch.setattr(psutil, "virtual_memory", lambda: real()._replace(available=case.available))
+    t0 = time.monotonic()
+    if case.api is not None:
+        import rayfl
+
+        with pytest.raises(rayfl.UserError) as e:
+            exec(case.api, {"rayfl": rayfl})  # noqa: S102 - the case's own API call, written above
+        code, err = 2, f"rayfl: error: {e.value}\n"
+    else:
+        code = main(battery.expand(case.argv, t))
+        err = capsys.readouterr().err
+    assert code == case.code, err
+    assert err.startswith("rayfl: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    assert battery.expand(case.fragment, t) in err, err
+    assert "s3cret" not in err
+    for path in case.absent:
+        assert not os.path.exists(battery.expand(path, t)), path
+    assert time.monotonic() - t0 < case.timeout
+    assert not ray_inits
+
+
+def test_the_battery_covers_every_category():
+    ids = [c.id for c in battery.CASES]
+    assert len(ids) == len(set(ids)) and len(ids) >= 90
+    assert {c.category for c in battery.CASES} == {"directories", "hangs", "memory", "tracebacks", "raw exceptions",
+                                                   "silent accepts", "credentials"}

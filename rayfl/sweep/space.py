@@ -97,8 +97,8 @@ def load_space(path: str) -> Space:
             raise UserError(f"{path}: grid.{key}: repeated values in {shown(values)} (1 and 1.0 are one value)")
         space.grid[key] = values
         seen[key] = "grid"
-        if space.n_grid() > MAX_TRIALS:
-            raise UserError(f"{path}: grid: {space.n_grid():,} points; a sweep runs at most {MAX_TRIALS:,} trials")
+    if space.n_grid() > MAX_TRIALS:  # before any point is built
+        raise UserError(f"{path}: grid: {space.n_grid():,} points; a sweep runs at most {MAX_TRIALS:,} trials")
     for key, spec in (data.get("random") or {}).items():
         if key in seen:
             raise UserError(f"{path}: random.{key}: already set in {seen[key]}")
