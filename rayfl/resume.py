@@ -15,6 +15,7 @@ import os
 import numpy as np
 
 from rayfl.config import UserError, shown
+from rayfl.user_input import MAX_MAGNITUDE
 
 
 def check_recorded_plugins(run_dir: str) -> None:
@@ -94,6 +95,15 @@ def check_checkpoint(run_dir: str, prepared) -> None:
     for name in getattr(server, "growing_state", ()):  # arrays a Server declares to change shape over a run
         if isinstance(template.get(name), np.ndarray):
             template[name] = np.empty((0,) * template[name].ndim, template[name].dtype)
+    for name in getattr(server, "client_ids", ()):  # the ids a Server keeps must be clients of this run
+        ids = state["server"].get(name) if isinstance(state["server"], dict) else None
+        if ids is not None and not (isinstance(ids, (list, tuple)) and all(
+                type(c) is int and 0 <= c < cfg.clients for c in ids)):
+            raise refuse(f"server.{name}={str(ids)[:60]}: must be a list of this run's client ids (0 to "
+                         f"{cfg.clients - 1})")
+    big = _beyond_magnitude(state["server"], "server")
+    if big:
+        raise refuse(f"{big}: holds values beyond {MAX_MAGNITUDE:g} in magnitude (a run's state never does)")
     try:
         check_like(state["server"], template, "server")
         server.load_state_dict(state["server"])
@@ -127,6 +137,22 @@ def check_checkpoint(run_dir: str, prepared) -> None:
                 raise refuse(f"clients[{cid}]: cannot be loaded ({type(e).__name__}: {str(e)[:100]})") from None
     finally:
         restore()
+
+
+def _beyond_magnitude(tree, where: str) -> str | None:
+    """The path of the first floating-point array in ``tree`` holding a finite value beyond MAX_MAGNITUDE."""
+    stack = [(tree, where)]
+    while stack:
+        v, path = stack.pop()
+        if isinstance(v, dict):
+            stack += [(x, f"{path}.{k}") for k, x in v.items()]
+        elif isinstance(v, (list, tuple)):
+            stack += [(x, f"{path}[{i}]") for i, x in enumerate(v)]
+        elif isinstance(v, np.ndarray) and v.dtype.kind == "f" and v.size:
+            finite = v[np.isfinite(v)]
+            if finite.size and np.abs(finite).max() > MAX_MAGNITUDE:
+                return path
+    return None
 
 
 def _number(v) -> bool:

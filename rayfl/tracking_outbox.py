@@ -578,9 +578,6 @@ def sync_target(run_dir: str, run: dict, tracking_uri: str | None) -> str:
 
 def sync_run(root: str, tracking_uri: str | None = None, say=lambda line: None, shown: str | None = None) -> dict:
     """:func:`sync` of the one run whose outbox is in ``root`` (``shown``: the path as the user gave it)."""
-    from mlflow.entities import Metric
-    from mlflow.tracking import MlflowClient
-
     from rayfl.config import UserError
 
     run_dir = shown or root
@@ -592,6 +589,9 @@ def sync_run(root: str, tracking_uri: str | None = None, say=lambda line: None, 
         raise UserError(f"run_dir={run_dir!r}: {OUTBOX}/run.json names no MLflow run (the run never created one)")
     todo = box.unsent()  # every file read and checked before anything is sent
     uri = sync_target(run_dir, run, tracking_uri)
+    from mlflow.entities import Metric  # (1.3 s of imports: after everything that can be refused without them)
+    from mlflow.tracking import MlflowClient
+
     client = MlflowClient(uri)
     run_id = run["run_id"]
     try:

@@ -343,6 +343,18 @@ STATE_EDITS = {  # edit of the loaded checkpoint -> fragment after "checkpoint=<
     "client_tensor_tag_missing": (_untag_gen, "unreadable (clients[0]: malformed snapshot at .gen: KeyError: 't')"),
     "rng_garbage": (_bad_rng, "rng: not a random generator's state"),
     "history_not_list": (_set("history", {"a": 1}), "history: a dict, expected a list"),
+    "history_record_odd": (lambda s: s["history"].append({"odd": "record"}),
+                           "history[4].step=None: must be a round index after the one before"),
+    "history_step_backwards": (lambda s: s["history"].__setitem__(1, {**s["history"][1], "step": 0}),
+                               "history[1].step=0: must be a round index after the one before"),
+    "history_stage_unknown": (lambda s: s["history"].__setitem__(0, {**s["history"][0], "stage": "x"}),
+                              "history[0].stage=x: not one of this run's stages"),
+    "history_metric_text": (lambda s: s["history"][0].__setitem__("test_acc_mean", "high"),
+                            "history[0]['test_acc_mean']: must be a metric name with a number"),
+    "dp_history_garbage": (_set("dp_history", [["x"]]), "dp_history: every entry must be a list of numbers"),
+    "upload_ids_client_99": (_server("upload_ids", [0, 99]),
+                             "server.upload_ids=[0, 99]: must be a list of this run's client ids (0 to 2)"),
+    "p_minus_1e300": (_server("P", np.full((3, 3), -1e300)), "server.P: holds values beyond 1e+12 in magnitude"),
 }
 
 
@@ -503,3 +515,104 @@ def test_the_battery_covers_every_category():
     assert len(ids) == len(set(ids)) and len(ids) >= 90
     assert {c.category for c in battery.CASES} == {"directories", "hangs", "memory", "tracebacks", "raw exceptions",
                                                    "silent accepts", "credentials"}
+
+
+# --------------------------------------------------------------------------------------------------
+# tracking servers that never answer, or answer 500: refused within seconds, by run and by sync
+# --------------------------------------------------------------------------------------------------
+HTTP_500 = b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+
+
+@pytest.mark.parametrize("reply, why", [
+    (None, "accepted a connection but sent no answer in 5 s"),
+    (HTTP_500, "answered its health check with HTTP 500 (a server error)"),
+], ids=["silent", "http500"])
+@pytest.mark.parametrize("command", ["run", "sync"])
+def test_a_tracking_server_that_does_not_serve_is_one_line_within_10_s(command, reply, why, tmp_path, monkeypatch,
+                                                                       capsys, ray_inits):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    server = Listener(reply)
+    uri = f"http://alice:s3cret@127.0.0.1:{server.port}"
+    box = tmp_path / "r" / "mlflow_outbox"
+    box.mkdir(parents=True)
+    (box / "run.json").write_text(json.dumps({"run_id": battery.RUN_ID, "tracking_uri": uri, "status": None}))
+    argv = (["run", *battery.TINY, "--tracking-uri", uri] if command == "run" else ["sync", str(tmp_path / "r")])
+    main(argv[:-1] + ["http://127.0.0.1:1"] if command == "run" else ["sync", str(tmp_path / "none")])
+    capsys.readouterr()  # the command's imports done (seconds on a busy machine): what is timed is the wait
+    try:
+        t0 = time.monotonic()
+        code = main(argv)
+        took = time.monotonic() - t0
+    finally:
+        server.close()
+    assert code == 2
+    err = one_line(capsys)
+    assert f"the server at 127.0.0.1:{server.port} {why}" in err and "s3cret" not in err, err
+    assert took < 10, took
+    assert not ray_inits
+
+
+def test_the_health_check_lets_an_answering_server_through():
+    from rayfl.session import tracking_server_problem
+
+    server = Listener(b"HTTP/1.1 401 Unauthorized\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+    try:
+        assert tracking_server_problem(f"http://127.0.0.1:{server.port}/prefix") is None
+    finally:
+        server.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# what a sync sends: the outbox's own regular files, to the run's existing store
+# --------------------------------------------------------------------------------------------------
+def test_sync_delivers_an_outbox_and_refuses_one_with_a_link_out(tmp_path, capsys):
+    """The same outbox is delivered once its link out is removed: the refusal is the link, not the outbox."""
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path}/m.db"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("e")).info.run_id
+    box = tmp_path / "r" / "mlflow_outbox"
+    (box / "files" / "000000" / "results").mkdir(parents=True)
+    (box / "files" / "000000" / "results" / "own.txt").write_text("the run's own file\n")
+    (tmp_path / "secret.txt").write_text("outside\n")
+    os.symlink(tmp_path / "secret.txt", box / "files" / "000000" / "results" / "secret.txt")
+    (box / "run.json").write_text(json.dumps({"run_id": run_id, "tracking_uri": uri, "experiment_id": "1",
+                                              "status": "FINISHED", "end_time": 5}))
+    (box / "metrics.jsonl").write_text('{"key": "acc", "value": 0.5, "timestamp": 1, "step": 0}\n'
+                                       '{"key": "acc", "value": "NaN", "timestamp": 2, "step": 1}\n{"key": "ac')
+    assert main(["sync", str(tmp_path / "r")]) == 2
+    assert "secret.txt: a link or a special file" in one_line(capsys)
+    assert client.get_metric_history(run_id, "acc") == [] and not client.list_artifacts(run_id)
+
+    os.unlink(box / "files" / "000000" / "results" / "secret.txt")
+    assert main(["sync", str(tmp_path / "r")]) == 0
+    assert "rayfl sync: 2 metric points, 0 params, 0 tags, 1 artifact trees, status FINISHED" in capsys.readouterr().out
+    history = client.get_metric_history(run_id, "acc")
+    assert [m.value for m in history][0] == 0.5 and math.isnan(history[1].value)  # the cut last line skipped
+    assert [a.path for a in client.list_artifacts(run_id, "results")] == ["results/own.txt"]
+    assert client.get_run(run_id).info.status == "FINISHED"
+
+
+# --------------------------------------------------------------------------------------------------
+# a plugin that takes long to import is announced; a trial key with a NUL byte is refused
+# --------------------------------------------------------------------------------------------------
+def test_a_slow_plugin_import_is_announced(tmp_path, monkeypatch, capsys):
+    from rayfl import plugins
+
+    monkeypatch.setattr(plugins, "SLOW_IMPORT_S", 0.2)
+    path = tmp_path / "slow.py"
+    path.write_text("import time\ntime.sleep(1.0)\n")
+    assert main(["algos", "--plugin", str(path)]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == f"rayfl: importing plugin='{path}' is taking more than 0.2 s ..."
+    assert lines[1].startswith(f"rayfl: error: plugin='{path}': defines none of ALGORITHM") and len(lines) == 2
+
+
+def test_a_trial_key_with_a_nul_byte_is_refused(tmp_path):
+    from rayfl.sweep.records import TRIALS_FILE, read_records
+
+    (tmp_path / TRIALS_FILE).write_text(json.dumps({"trials": {"abc\u0000": {"config": {"lr": 0.1}}}}))
+    with pytest.raises(UserError, match=r"trials\.'abc\\x00': not a trial record \(a key of letters"):
+        read_records(str(tmp_path), ["lr"])

@@ -147,6 +147,10 @@ class Server:
         """Handle of the model to save as the run's final global model, or None."""
         return None
 
+    # keys of state_dict() holding client ids (a list of integers): a checkpoint naming a client the run does not
+    # have is refused before it is loaded (rayfl.resume)
+    client_ids: tuple[str, ...] = ()
+
     def state_dict(self) -> dict:
         """Driver state for checkpoints, as plain arrays: resolve handles with ``self.get`` first."""
         return {}

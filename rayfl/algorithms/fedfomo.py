@@ -224,6 +224,8 @@ class FedFomoServer(Server):
     def artifacts(self):
         return {"P": self.P.copy(), "weights": self.W.copy(), "weights_raw": self.W_raw.copy()}
 
+    client_ids = ("upload_ids",)
+
     def state_dict(self):
         cids = sorted(self.uploads)
         return {"P": self.P, "W": self.W, "W_raw": self.W_raw, "upload_ids": cids,
