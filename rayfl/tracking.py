@@ -676,7 +676,8 @@ class MlflowTracker(Callback):
                     error = e
             if self.sender is not None:
                 self.sender.put(("status", status, int(time.time() * 1000)))
-                bound = wait if server_address(self.uri) is not None else None  # a local store: its errors end it
+                # a local store: its errors end a finished run, however long it takes; a failing one waits so long
+                bound = wait if server_address(self.uri) is not None or status != "FINISHED" else None
                 drained = False
                 try:
                     drained = self.sender.drain(bound)
