@@ -581,8 +581,9 @@ def sync_run(root: str, tracking_uri: str | None = None, say=lambda line: None, 
     from rayfl.config import UserError
 
     run_dir = shown or root
-    if os.path.islink(outbox_dir(root)):
-        raise _refuse(outbox_dir(root), "a link, not the run's own directory")
+    for path in (outbox_dir(root), os.path.join(outbox_dir(root), "files")):
+        if os.path.islink(path):
+            raise _refuse(path, "a link, not the run's own directory")
     box = Outbox(outbox_dir(root))
     run = box.run()
     if not run.get("run_id"):

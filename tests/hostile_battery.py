@@ -128,6 +128,7 @@ FILES: dict[str, str | bytes | Link] = {
     **_outbox("ob_link_tree", **{"files/000002": Link("{t}/ob_link_dir/mlflow_outbox/files/000001")}),
     **_outbox("ob_link_metrics", **{"metrics.jsonl": Link("{t}/secret.txt")}),
     "ob_link_run/mlflow_outbox/run.json": Link("{t}/ob_link_file/mlflow_outbox/run.json"),
+    **_outbox("ob_link_files", **{"files": Link("{t}/ob_link_dir/mlflow_outbox/files")}),
     "ob_link_box/mlflow_outbox": Link("{t}/ob_link_file/mlflow_outbox"),
     **_outbox("ob_new_store"),
     **_outbox("ob_http_empty", uri="http://"),
@@ -228,6 +229,8 @@ CASES: list[Case] = [
          fragment="plugins.yaml there is not a regular file", absent=["{t}/MARKER"]),
     Case("resume_plugin_given_again", "directories", ["run", "--resume", "{t}/run_abs", "--plugin", "{t}/good.py"],
          fragment="no checkpoint there to go on from", absent=["{t}/MARKER"]),
+    Case("resume_plugin_given_in_env", "directories", ["run", "--resume", "{t}/run_abs"],
+         env={"RAYFL_PLUGINS": "{t}/good.py"}, fragment="no checkpoint there to go on from", absent=["{t}/MARKER"]),
     Case("sync_link_to_outside_file", "directories", ["sync", "{t}/ob_link_file"],
          fragment="{t}/ob_link_file/mlflow_outbox/files/000001/secret.txt: a link or a special file",
          absent=["{t}/store_ob_link_file.db"]),
@@ -239,6 +242,8 @@ CASES: list[Case] = [
          fragment="mlflow_outbox/metrics.jsonl: a link or a special file"),
     Case("sync_linked_run_json", "directories", ["sync", "{t}/ob_link_run"],
          fragment="mlflow_outbox/run.json: a link or a special file"),
+    Case("sync_linked_files_folder", "directories", ["sync", "{t}/ob_link_files"],
+         fragment="mlflow_outbox/files: a link, not the run's own directory"),
     Case("sync_linked_outbox", "directories", ["sync", "{t}/ob_link_box"],
          fragment="no mlflow_outbox/run.json there or below"),
     Case("sync_store_it_would_create", "directories", ["sync", "{t}/ob_new_store"],
@@ -456,7 +461,7 @@ def run_case(case: Case, t: str) -> dict:
 
     import psutil
 
-    env = {**os.environ, **case.env, "RAY_ADDRESS": ""}
+    env = {**os.environ, **{k: expand(v, t) for k, v in case.env.items()}, "RAY_ADDRESS": ""}
     t0 = time.monotonic()
     proc = subprocess.Popen(_child(case, t), stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=t)
     peak, timed_out = 0, False

@@ -484,7 +484,7 @@ def test_battery(case, battery_dir, registries, monkeypatch, capsys, ray_inits):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("RAYFL_PLUGINS", raising=False)
     for key, value in case.env.items():
-        monkeypatch.setenv(key, value)
+        monkeypatch.setenv(key, battery.expand(value, t))
     if case.available is not None:  # the memory the budget sees: a small input stands for a large one
         import psutil
 
