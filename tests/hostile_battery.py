@@ -290,7 +290,7 @@ CASES: list[Case] = [
     # ---------------------------------------------------------------- memory
     Case("idx_declaring_640k_images", "memory", ["run", "--dataset", "mnist", "--data-root", "{t}/idx640k",
                                                  "--clients", "2", "--samples-per-client", "45"],
-         available=4 * 10**9, fragment="needs 3.5 GB of memory to load"),
+         available=4 * 10**9, fragment="needs 3.6 GB of memory to load"),
     Case("npz_label_1e9", "memory", run("--dataset", "npz:{t}/label1e9.npz"),
          fragment="label 1000000000: labels must be below 100,000"),
     Case("npz_1e6_owners", "memory", ["run", "--dataset", "npz:{t}/owners1e6.npz", "--partition", "natural",

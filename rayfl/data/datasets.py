@@ -31,8 +31,15 @@ MEMORY_SHARE = 0.5  # a dataset may take at most this share of the memory availa
 ABSURD_BYTES = 2**40  # a declared size beyond this is a corrupt header, whatever the machine
 MAX_CLASSES = 100_000  # a model's outputs: one label of 10**9 would otherwise make a 10**9-wide last layer
 # What reading an IDX file costs a value at its peak: the file's bytes as read (a .gz is read in chunks that are
-# joined: 2), the pairs' bytes joined into one array (1), and its float32 copy, scaled in place (4).
+# joined: 2), the pairs' bytes joined into one array (1), and its float32 copy, scaled in place (4); and, once,
+# the standardization's chunk of CHUNK_ROWS samples in float64 with its square (16 bytes a value of the chunk).
 IDX_BYTES_PER_VALUE = 7
+CHUNK_ROWS = 8192
+
+
+def idx_budget(dims: list[int]) -> int:
+    """The bytes reading an IDX file of shape ``dims`` as images takes at its peak."""
+    return math.prod(dims) * IDX_BYTES_PER_VALUE + min(dims[0], CHUNK_ROWS) * math.prod(dims[1:]) * 16
 
 
 @dataclass
@@ -212,8 +219,8 @@ def _standardize(x: np.ndarray) -> np.ndarray:
     axes = (0, 2, 3) if x.ndim == 4 else (0,)
     n = x.size // int(np.prod([x.shape[a] for a in range(x.ndim) if a not in axes]))
     total = sq = 0.0
-    for i in range(0, len(x), 8192):  # float64 sums in chunks: no full-size float64 temporary
-        chunk = x[i:i + 8192].astype(np.float64)
+    for i in range(0, len(x), CHUNK_ROWS):  # float64 sums in chunks: no full-size float64 temporary
+        chunk = x[i:i + CHUNK_ROWS].astype(np.float64)
         total = total + chunk.sum(axis=axes, keepdims=True)
         sq = sq + np.square(chunk).sum(axis=axes, keepdims=True)
     mean = total / n
@@ -312,7 +319,7 @@ def _read_idx(path: str, ndim: int) -> np.ndarray:
             dims = [int.from_bytes(rest[4 * i: 4 + 4 * i], "big") for i in range(ndim)]
             need = math.prod(dims)
             shape = "x".join(map(str, dims))
-            check_memory(path, need * IDX_BYTES_PER_VALUE, f"its declared {shape} bytes (as float32 too)")
+            check_memory(path, idx_budget(dims), f"its declared {shape} bytes (as float32 too)")
             data = f.read(need + 1)
     except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
         raise UserError(f"{path}: cannot be read as {'gzip' if path.endswith('.gz') else 'a file'} "
