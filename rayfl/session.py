@@ -2,7 +2,8 @@
 
 Starting or attaching Ray (a private loopback instance with its own token, or a given cluster, probed first so
 that a wrong ``--address`` is one line within seconds), shutting it down with the environment restored, the
-checks on a tracking store made before anything starts, and a run directory's layout (``config.yaml`` beside
+checks on a tracking store made on a cluster (those made here are :mod:`rayfl.tracking_store`'s), and a run
+directory's layout (``config.yaml`` beside
 its checkpoints, what ``--resume`` reads back).
 """
 
@@ -17,6 +18,8 @@ from typing import Callable
 
 from rayfl.config import UserError, check_value, make_config, read_yaml, shown
 from rayfl.progress import stderr_into
+from rayfl.tracking_store import (CONNECT_TIMEOUT_S, check_tracking_store,  # noqa: F401 - re-exported
+                                  tracking_server_problem, unreachable)
 
 Progress = Callable[[dict], None]
 
@@ -28,7 +31,6 @@ class RayStartError(Exception):
     """Ray could not be started or reached for a reason that is not the user's: one line, exit 1."""
 
 
-CONNECT_TIMEOUT_S = 5.0
 _SAVED_ENV: dict[str, str | None] = {}
 
 
@@ -176,17 +178,6 @@ def check_address(address: str | None) -> None:
         raise UserError(f"address={shown(address)}: no Ray cluster answers there ({reason})")
 
 
-def unreachable(host: str, port: int) -> str | None:
-    """Why nothing accepts a TCP connection at host:port within CONNECT_TIMEOUT_S; None when something does."""
-    import socket
-
-    try:
-        socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S).close()
-    except OSError as e:
-        return e.strerror or str(e) or type(e).__name__
-    return None
-
-
 # An HTTP/2 client's connection preface and an empty SETTINGS frame (RFC 9113, 3.4 and 6.5): a gRPC server, as
 # Ray's GCS and its client server are, answers with a SETTINGS frame of its own.
 _HTTP2_HELLO = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
@@ -220,64 +211,6 @@ def not_grpc(host: str, port: int) -> str | None:
 # --------------------------------------------------------------------------------------------------
 # The tracking store
 # --------------------------------------------------------------------------------------------------
-def check_tracking_store(uri: str, experiment: str) -> None:
-    """A SQLite file or store directory on this machine that MLflow could not open or write, or a tracking
-    server that does not answer, refused before anything starts (the store itself is opened by the run's
-    driver, in the background; MLflow would retry a silent server for minutes)."""
-    if uri.startswith(("http://", "https://")):
-        problem = tracking_server_problem(uri)
-    elif uri.startswith("sqlite:////"):  # SQLite makes the file, not its directory
-        path = uri[len("sqlite:///"):]
-        folder = os.path.dirname(path)
-        problem = ("it is a directory" if os.path.isdir(path) else
-                   f"no directory {folder}" if not os.path.isdir(folder) else _unwritable(path, folder))
-    elif uri.startswith("/") or uri.startswith("file:///"):  # a file store makes its directories
-        path = uri.removeprefix("file://")
-        folder = path
-        while not os.path.exists(folder):
-            folder = os.path.dirname(folder)
-        problem = f"{folder} is a file" if not os.path.isdir(folder) else _unwritable(path, folder)
-    else:
-        return
-    if problem:
-        raise UserError(f"tracking_uri={uri!r}: cannot open experiment {experiment!r} there ({problem})")
-
-
-TRACKING_ANSWER_S = 5.0  # the longest a tracking server may take to answer the check's one request
-
-
-def tracking_server_problem(uri: str, timeout: float = TRACKING_ANSWER_S) -> str | None:
-    """Why the tracking server at an http(s) ``uri`` would not serve a run: nothing listens, it accepts but
-    sends no answer within ``timeout`` seconds (MLflow would wait and retry for minutes), or it answers its
-    health check (``GET <uri>/health``, MLflow's) with a server error (5xx). None when it answers otherwise
-    (an authentication challenge is the client's business). No credentials are sent."""
-    import http.client
-    import ssl
-    import urllib.parse
-
-    url = urllib.parse.urlparse(uri)
-    host, port = url.hostname, url.port or (443 if url.scheme == "https" else 80)
-    reason = unreachable(host, port)
-    if reason:
-        return f"no server answers at {host}:{port}: {reason}"
-    if url.scheme == "https":  # a liveness check only: nothing secret is sent, the certificate is MLflow's concern
-        conn = http.client.HTTPSConnection(host, port, timeout=timeout, context=ssl._create_unverified_context())
-    else:
-        conn = http.client.HTTPConnection(host, port, timeout=timeout)
-    try:
-        conn.request("GET", url.path.rstrip("/") + "/health")
-        status = conn.getresponse().status
-    except TimeoutError:
-        return f"the server at {host}:{port} accepted a connection but sent no answer in {timeout:g} s"
-    except (OSError, http.client.HTTPException) as e:
-        return f"the server at {host}:{port} did not answer as an HTTP server does ({type(e).__name__})"
-    finally:
-        conn.close()
-    if status >= 500:
-        return f"the server at {host}:{port} answered its health check with HTTP {status} (a server error)"
-    return None
-
-
 def check_threads_here(threads: int, address: str | None) -> None:
     """On a private local instance (no ``address``) every actor's torch threads share this machine's cores:
     more threads per actor than it has CPUs only spin against each other."""
@@ -317,11 +250,6 @@ def _tracking_problem(uri: str, experiment: str) -> str | None:
     except UserError as e:
         return str(e)
     return None
-
-
-def _unwritable(path: str, folder: str) -> str | None:
-    target = path if os.path.exists(path) else folder
-    return None if os.access(target, os.W_OK) else f"{target} is not writable"
 
 
 def open_experiment(uri: str, experiment: str) -> str:

@@ -544,7 +544,7 @@ def sync_target(run_dir: str, run: dict, tracking_uri: str | None) -> str:
     already there (sync never makes a database or a store directory) or a server that answers its health check
     within seconds."""
     from rayfl.config import check_tracking_uri, shown, tracking_scheme
-    from rayfl.session import check_tracking_store, tracking_server_problem
+    from rayfl.tracking_store import check_tracking_store, tracking_server_problem
     from rayfl.user_input import UserError
 
     recorded = tracking_uri is None
