@@ -10,8 +10,8 @@ Ray runs the work in other processes. What was registered here travels with the 
 what the driver, the client actors and a sweep's trials receive) and is registered there when it arrives; a
 module loaded from a file is not importable there, so its classes are pickled by value. A run directory
 records which plugins were loaded (paths and module names, never code), for ``--resume``, which imports none
-of them: they must be given again (:func:`write_record`, :func:`rayfl.resume.check_recorded_plugins`); :func:`loaded_sources` is the list a cluster's runtime
-environment would ship.
+of them: they must be given again (:func:`write_record`, :func:`rayfl.resume.check_recorded_plugins`);
+:func:`loaded_sources` is the list a cluster's runtime environment would ship.
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def _import(source: str, what: str) -> tuple[str, types.ModuleType]:
     if text in _loaded:
         return text, _loaded[text]["module"]
     try:
-        with _import_guard(what):
+        with _import_guard(what, module=text):
             module = importlib.import_module(text)
     except _NotFound:
         raise UserError(f"{what}: no such file or module (a plugin is a .py file, or a dotted module name "
@@ -166,7 +166,7 @@ class _ExitCalled(BaseException):
 
 
 @contextlib.contextmanager
-def _import_guard(what: str):
+def _import_guard(what: str, module: str = ""):
     """Importing a plugin: whatever it raises, an exit included (``sys.exit``, ``os._exit`` while it imports, a
     KeyboardInterrupt), is one line naming it; an import still going after SLOW_IMPORT_S is announced."""
     import threading
@@ -184,14 +184,13 @@ def _import_guard(what: str):
     try:
         yield
     except ModuleNotFoundError as e:
-        name = what.split("=", 1)[-1].strip(" '\"")
-        if e.name and (name == e.name or name.startswith(e.name + ".")):
-            raise _NotFound() from None
+        if module and e.name and (module == e.name or module.startswith(e.name + ".")):
+            raise _NotFound() from None  # the module itself, not one it imports
         raise UserError(f"{what}: importing it failed: {_first_line(e)}") from None
     except (SystemExit, _ExitCalled) as e:
-        code = e.code if isinstance(e, SystemExit) else str(e)
-        raise UserError(f"{what}: importing it called {'sys.exit(' + repr(code) + ')' if isinstance(e, SystemExit) else code}; "
-                        f"a plugin must define its algorithms, datasets or models, not end the program") from None
+        call = f"sys.exit({e.code!r})" if isinstance(e, SystemExit) else str(e)
+        raise UserError(f"{what}: importing it called {call}; a plugin must define its algorithms, datasets or "
+                        f"models, not end the program") from None
     except BaseException as e:  # noqa: BLE001 - whatever the file raises, a KeyboardInterrupt included: one line
         if isinstance(e, UserError):
             raise
