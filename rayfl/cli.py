@@ -140,7 +140,8 @@ def cmd_run(args) -> int:
     except Exception as e:  # the run failed inside Ray: say what, and where its remains are
         print(f"rayfl: run failed: {mask_credentials(_root_cause(e))}", file=sys.stderr)
         if plan:
-            print(f"rayfl: what was logged is kept in MLflow ({mask_credentials(plan['tracking_uri'])}); checkpoints in "
+            uri = mask_credentials(plan["tracking_uri"])
+            print(f"rayfl: what was logged is kept in MLflow ({uri}); checkpoints in "
                   f"{plan['run_dir']}", file=sys.stderr)
         return 1
     where = f" {result.final['round']}" + (f" ({result.final['stage']})" if "stage" in result.final else "")

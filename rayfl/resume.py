@@ -171,7 +171,8 @@ def _history_problem(history: list, step: int, stages: list) -> str | None:
         if type(s) is not int or not last < s <= step:
             return f"history[{i}].step={str(s)[:40]}: must be a round index after the one before, at most {step}"
         if rec.get("stage") not in stages:
-            return f"history[{i}].stage={str(rec.get('stage'))[:40]}: not one of this run's stages ({', '.join(stages)})"
+            return (f"history[{i}].stage={str(rec.get('stage'))[:40]}: not one of this run's stages "
+                    f"({', '.join(stages)})")
         for key, value in rec.items():
             if key not in ("step", "stage") and not (isinstance(key, str) and _number(value)):
                 return f"history[{i}][{str(key)[:40]!r}]: must be a metric name with a number"

@@ -146,7 +146,8 @@ def _delivered_row(r) -> bool:
 
 ROWS = {"metrics.jsonl": (_metric_row, '{"key", "value": a number, "NaN", "Infinity" or "-Infinity", '
                                        '"timestamp": ms >= 0, "step": an integer}'),
-        "params.jsonl": (_pair_row, '{"key", "value": a string}'), "tags.jsonl": (_pair_row, '{"key", "value": a string}'),
+        "params.jsonl": (_pair_row, '{"key", "value": a string}'),
+        "tags.jsonl": (_pair_row, '{"key", "value": a string}'),
         "delivered.jsonl": (_delivered_row, '{"metric": [key, step, value, timestamp]}, {"param"|"tag": [key, value]}, '
                                             '{"files": "NNNNNN"} or {"status": STATUS}')}
 
