@@ -290,8 +290,6 @@ def make_run_dir(cfg, run_name: str, uri: str) -> str:
 
 def load_run_dir(run_dir: str):
     """The Config saved in a run directory, for --resume: it must be a rayfl run directory with a checkpoint."""
-    from rayfl.loop import Loop
-
     check_value("--resume", run_dir)
     saved = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(saved):
@@ -299,6 +297,8 @@ def load_run_dir(run_dir: str):
     from rayfl.resume import check_recorded_plugins
 
     check_recorded_plugins(run_dir)  # the plugins it recorded are given again (never imported from it)
+    from rayfl.loop import Loop  # (torch: after what is refused without it)
+
     try:
         cfg = make_config(None, read_yaml(saved))
     except UserError as e:
