@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -157,6 +158,8 @@ def make_run_config(config: str | dict | Config | None = None, **values) -> Conf
     file = os.fspath(config) if isinstance(config, (str, os.PathLike)) else None
     base = dict(config) if isinstance(config, dict) else {}
     check_keys({**base, **values})
+    if base.get("params") is not None and not isinstance(base["params"], dict):
+        raise UserError(f"config['params']={shown(base['params'])}: must be a dict of algorithm knobs")
     if "params" in values and not isinstance(values["params"], dict):
         raise UserError(f"params={values['params']!r}: must be a dict of algorithm knobs")
     params = {**(base.pop("params", None) or {}), **(values.pop("params", None) or {})}
@@ -204,6 +207,8 @@ def run(config: str | dict | Config | None = None, *, resume: str | None = None,
                                **({"plugins": plugins} if plugins else {}), **values})
     if resume is not None and not isinstance(resume, (str, os.PathLike)):
         raise UserError(f"resume={shown(resume)}: must be a run directory (a path)")
+    if resume is not None and not os.fspath(resume).strip():
+        raise UserError(f"resume={shown(resume)}: empty path; give a run directory")
     if resume:
         resume = os.fspath(resume)
         if config is not None or values:
@@ -237,7 +242,8 @@ def run_config(cfg: Config | None, *, resume: str | None = None, address: str | 
         check_threads_here(cfg.torch_threads, address)
         preflight(cfg)  # a request it cannot hold is refused now
         check_tracking_store(uri, cfg.experiment)  # and a tracking store its driver could not open
-    run_name = cfg.run_name or f"{cfg.algo}-{cfg.dataset}-{cfg.partition}-s{cfg.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+    data = re.sub(r"[^\w.-]+", "_", os.path.basename(cfg.dataset.rstrip("/")))  # npz:/a/b.npz: b.npz
+    run_name = cfg.run_name or f"{cfg.algo}-{data}-{cfg.partition}-s{cfg.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = os.path.abspath(resume) if resume else make_run_dir(cfg, run_name, uri)
     report = PartitionReport.of(prepared)
     progress({"event": "plan", "cfg": cfg, "prepared": prepared, "run_dir": run_dir, "tracking_uri": uri,
@@ -333,6 +339,15 @@ def tune(config: str | dict | Config | None = None, *, space: str | dict | None 
         check_value(key, value)  # bounded before the call is recorded (its repr) or walked
     call = api_call("tune", {**({"config": config} if config is not None else {}),
                              **{k: v for k, v in given.items() if v != SWEEP_DEFAULTS.get(k)}, **values})
+    if config is not None and not isinstance(config, (str, os.PathLike, dict, Config)):
+        raise UserError(f"config={shown(config)}: expected a YAML file path, a dict or a rayfl Config")
+    if isinstance(config, dict) and config.get("params") is not None and not isinstance(config["params"], dict):
+        raise UserError(f"config['params']={shown(config['params'])}: must be a dict of algorithm knobs")
+    if space is not None and not isinstance(space, (str, os.PathLike, dict)):
+        raise UserError(f"space={shown(space)}: expected a space file path or a dict with fixed / grid / random "
+                        f"sections")
+    if isinstance(space, dict):
+        _check_plain("space", space)
     if search not in SEARCHES:
         raise UserError(f"search={search!r}: unknown; allowed: {', '.join(SEARCHES)}")
     if scheduler not in SCHEDULERS:
@@ -383,12 +398,26 @@ def tune(config: str | dict | Config | None = None, *, space: str | dict | None 
                        meta["tracking_uri"], meta["experiment_id"], meta["metric"], meta["algo"])
 
 
+def _check_plain(name: str, value: Any) -> None:
+    """A value written as YAML (a space given as a dict): only text, numbers, booleans, null, lists and dicts."""
+    stack = [value]
+    while stack:  # bounded already by check_value
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack += [*item.keys(), *item.values()]
+        elif isinstance(item, (list, tuple)):
+            stack += list(item)
+        elif item is not None and not isinstance(item, (str, int, float, bool)):
+            raise UserError(f"{name}: holds {shown(item)}, a {type(item).__name__}; a space holds text, numbers, "
+                            f"booleans, lists and dicts")
+
+
 def _write_space(space: dict, settings) -> tuple[str, str]:
     """A space given as a dict is kept as a file beside the sweep (its record, and what resume reads)."""
     import yaml
 
     base = make_config(settings.config, settings.values)
-    name = settings.name or f"{base.algo}-sweep-{time.strftime('%Y%m%d-%H%M%S')}"
+    name = settings.name if settings.name is not None else f"{base.algo}-sweep-{time.strftime('%Y%m%d-%H%M%S')}"
     folder = os.path.abspath(os.path.join(settings.storage_path or os.path.join(base.out_dir, "tune"), "spaces"))
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"{name}.yaml")

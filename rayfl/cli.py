@@ -16,6 +16,7 @@ import sys
 from rayfl.config import UserError, check_value, did_you_mean
 from rayfl.flags import add_config_arguments, config_flags_given, config_from_args
 from rayfl.session import RayStartError
+from rayfl.user_input import mask_credentials
 
 
 class Parser(argparse.ArgumentParser):
@@ -108,6 +109,8 @@ def cmd_run(args) -> int:
     from rayfl.api import run_config
     from rayfl.progress import ConsoleProgress, mlflow_hint, summary_table
 
+    if args.resume is not None and not args.resume.strip():
+        raise UserError(f"--resume {args.resume!r}: empty path; give a run directory")
     if args.resume:
         extra = config_flags_given(args)
         if extra:
@@ -142,9 +145,10 @@ def cmd_run(args) -> int:
                   file=sys.stderr)
         return 1
     except Exception as e:  # the run failed inside Ray: say what, and where its remains are
-        print(f"rayfl: run failed: {_root_cause(e)}", file=sys.stderr)
+        print(f"rayfl: run failed: {mask_credentials(_root_cause(e))}", file=sys.stderr)
         if plan:
-            print(f"rayfl: what was logged is kept in MLflow ({plan['tracking_uri']}); checkpoints in "
+            uri = mask_credentials(plan["tracking_uri"])
+            print(f"rayfl: what was logged is kept in MLflow ({uri}); checkpoints in "
                   f"{plan['run_dir']}", file=sys.stderr)
         return 1
     where = f" {result.final['round']}" + (f" ({result.final['stage']})" if "stage" in result.final else "")
@@ -161,7 +165,14 @@ def cmd_sync(args) -> int:
     """``rayfl sync RUN_DIR``: what a run kept for an unreachable tracking server, to its MLflow run."""
     from rayfl.tracking_outbox import sync
 
-    sync(args.run_dir, args.tracking_uri, say=print)
+    try:
+        sync(args.run_dir, args.tracking_uri, say=print)
+    except (UserError, KeyboardInterrupt):
+        raise
+    except Exception as e:  # noqa: BLE001 - the store refused what it was sent, or stopped answering mid-way
+        print(f"rayfl: sync failed: {mask_credentials(_root_cause(e))}; what was delivered is recorded: sync "
+              f"again to send the rest", file=sys.stderr)
+        return 1
     return 0
 
 

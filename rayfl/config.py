@@ -14,13 +14,13 @@ from typing import Any, Mapping
 import yaml
 
 from rayfl.algorithms import DEFAULT_ALGORITHM
-from rayfl.user_input import KIND_TEXT, MAX_MESSAGE, UserError, did_you_mean, to_kind  # noqa: F401 - re-exported
+from rayfl.user_input import (KIND_TEXT, MAX_COUNT, MAX_EPOCHS, MAX_MESSAGE, UserError, check_count,  # noqa: F401
+                              did_you_mean, to_kind)
 
 MAX_TEXT = 4096  # characters of a string value (a path, a name, a URI: PATH_MAX on Linux is 4096 bytes)
 MAX_DEPTH = 32  # nesting of a config value or a YAML file (a config is 2 levels deep, a space file 4)
 MAX_VALUES = 10_000  # values in one config, space file or config value, aliases expanded
 MAX_FILE_BYTES = 1 << 20  # a config or space file (the largest shipped is about 2 KB)
-MAX_COUNT = 10**7  # clients, rounds, batch sizes, samples, ...: beyond any dataset or run this platform holds
 MAX_TORCH_THREADS = 256  # per client actor; a private local instance also caps them at this machine's CPUs
 
 
@@ -153,15 +153,21 @@ class Config:
             if getattr(self, name) < 0:
                 raise UserError(f"{name}={getattr(self, name)}: must be an integer >= 0")
         for name in COUNTS:
-            if getattr(self, name) > MAX_COUNT:
-                raise UserError(f"{name}={getattr(self, name)}: must be at most {MAX_COUNT:,}")
+            try:
+                check_count(getattr(self, name), name)
+            except ValueError as e:
+                raise UserError(f"{name}={getattr(self, name)}: {e}") from None
         if self.torch_threads > MAX_TORCH_THREADS:
             raise UserError(f"torch_threads={self.torch_threads}: must be at most {MAX_TORCH_THREADS} (threads of "
                             f"one client actor)")
         for name in ("participation", "majority"):
             _fraction(name, getattr(self, name), low_open=True)
-        for name in ("val_frac", "test_frac"):
-            _fraction(name, getattr(self, name), low_open=False, high_open=True)
+        poisson = self.dp_noise > 0 and self.dp_level == "user"  # users sampled one by one: any rate is a rate
+        if not poisson and self.participation * self.clients < 0.5:
+            raise UserError(f"participation={self.participation:g}: samples {self.participation:g} x {self.clients} "
+                            f"clients, none, a round; must be at least {0.5 / self.clients:g} (half a client)")
+        _fraction("val_frac", self.val_frac, low_open=False, high_open=True)
+        _fraction("test_frac", self.test_frac, low_open=True, high_open=True)  # every run reports test metrics
         if self.val_frac + self.test_frac >= 1:
             raise UserError(f"val_frac + test_frac = {self.val_frac + self.test_frac:g}: must be below 1")
         for name in ("lr", "alpha", "size_sigma"):
@@ -185,11 +191,13 @@ class Config:
             raise UserError(f"stage_cache={self.stage_cache!r}: exists and is not a directory")
         if self.data_root is not None and not os.path.isdir(os.path.expanduser(self.data_root)):
             raise UserError(f"data_root={self.data_root!r}: no such directory")
-        if not self.experiment.strip():
-            raise UserError(f"experiment={self.experiment!r}: must be a non-empty name")
+        if not self.experiment.strip() or not self.experiment.isprintable():
+            raise UserError(f"experiment={shown(self.experiment)}: must be a non-empty name without control "
+                            f"characters")
         if self.run_name is not None and (not self.run_name.strip() or "/" in self.run_name
-                                          or self.run_name in (".", "..")):
-            raise UserError(f"run_name={self.run_name!r}: must be a non-empty name without '/'")
+                                          or self.run_name in (".", "..") or not self.run_name.isprintable()):
+            raise UserError(f"run_name={shown(self.run_name)}: must be a non-empty name without '/' or control "
+                            f"characters")
         if not self.out_dir.strip():
             raise UserError(f"out_dir={self.out_dir!r}: must be a directory path")
         if os.path.exists(os.path.expanduser(self.out_dir)) and not os.path.isdir(os.path.expanduser(self.out_dir)):
@@ -209,6 +217,9 @@ class Config:
                 params.check_config(self)
         except ValueError as e:
             raise UserError(str(e)) from None
+        except Exception as e:  # noqa: BLE001 - a plugin's check may raise anything: one line naming it
+            raise UserError(f"algo={self.algo!r}: its Params check raised {type(e).__name__}: "
+                            f"{str(e).splitlines()[0] if str(e) else ''}") from None
 
     def to_flat(self) -> dict[str, Any]:
         """All resolved values as flat MLflow params (algorithm knobs as ``param.<name>``)."""
@@ -304,7 +315,7 @@ def make_config(file: str | None = None, overrides: Mapping[str, Any] | None = N
     """Defaults, then a YAML file, then explicit overrides (flags); unknown keys are user errors."""
     values: dict[str, Any] = {}
     where = f" in {file}" if file else ""
-    if file:
+    if file is not None:
         values.update(read_yaml(file))
     for k, v in [*values.items(), *(overrides or {}).items()]:  # bounded before anything walks or quotes them
         check_value(str(k) if isinstance(k, str) and len(k) <= 80 else f"config key {shown(k)}", k)
@@ -397,6 +408,22 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             size(node)
         return node
 
+    def construct_yaml_int(self, node):
+        text = str(node.value).replace("_", "").lstrip("+-")
+        if ":" in text or (len(text) > 1 and text.startswith("0") and text.isdigit()):
+            kind = "sexagesimal (base 60)" if ":" in text else "octal"
+            raise _TooLarge(f"{node.value!r} is a YAML 1.1 {kind} number ({super().construct_yaml_int(node)}); "
+                            f"write the number you mean, or quote it as text", node.start_mark.line + 1)
+        if len(text) > MAX_DIGITS:
+            raise _TooLarge(f"an integer of {len(text):,} digits; at most {MAX_DIGITS}", node.start_mark.line + 1)
+        return super().construct_yaml_int(node)
+
+    def construct_yaml_float(self, node):
+        if ":" in str(node.value):
+            raise _TooLarge(f"{node.value!r} is a YAML 1.1 sexagesimal (base 60) number; write the number you "
+                            f"mean, or quote it as text", node.start_mark.line + 1)
+        return super().construct_yaml_float(node)
+
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
@@ -408,9 +435,16 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _UniqueKeyLoader.construct_yaml_int)
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:float", _UniqueKeyLoader.construct_yaml_float)
+MAX_DIGITS = 30  # of an integer in a YAML file or value (a seed has 10; Python refuses to read past 4,300)
+
+
 def load_yaml(path: str, what: str) -> Any:
     """A YAML file's content, or one line naming the file (``what``: "config file", "space file"). The safe
     loader builds no objects from tags, so loading a file never runs code."""
+    if not str(path).strip():
+        raise UserError(f"{what} {path!r}: empty path; give a file, or leave the flag out")
     if not os.path.isfile(path):
         raise UserError(f"{what} {path!r}: no such file")
     try:
@@ -472,9 +506,18 @@ def check_tracking_uri(uri: str) -> None:
             raise UserError(f"tracking_uri={shown(uri)}: the port must be a number in 0-65535") from None
         if not url.hostname:
             raise UserError(f"tracking_uri={shown(uri)}: no host; expected {url.scheme}://HOST[:PORT]")
-    if tracking_scheme(uri) is None:
+    scheme = tracking_scheme(uri)
+    if scheme in ("", "file") and uri not in ("databricks", "databricks-uc", "uc") and not file_store_allowed():
+        raise UserError(f"tracking_uri={shown(uri)}: a file store; MLflow 3 refuses its filesystem backend unless "
+                        f"MLFLOW_ALLOW_FILE_STORE=true is set: use sqlite:///PATH (a file) instead")
+    if scheme is None:
         schemes = ", ".join(sorted(s or "a path" for s in TRACKING_SCHEMES | DATABASE_SCHEMES))
         raise UserError(f"tracking_uri={shown(uri)}: unknown scheme; allowed: {schemes}")
+
+
+def file_store_allowed() -> bool:
+    """Whether MLflow 3 opens a file store (a path, ``file:``): only with ``MLFLOW_ALLOW_FILE_STORE`` true."""
+    return os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _convert(name: str, value: Any) -> Any:

@@ -9,6 +9,7 @@ MLflow work about 2 s sooner.
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +63,12 @@ def prepare(cfg: Config) -> Prepared:
     cfg.check()
     if cfg.stage_cache:  # the same directory for every process of the run, whatever its working directory
         cfg.stage_cache = os.path.abspath(os.path.expanduser(cfg.stage_cache))
+        try:  # one that cannot be written is refused now, not when a stage is stored
+            os.makedirs(cfg.stage_cache, exist_ok=True)
+            with tempfile.TemporaryFile(dir=cfg.stage_cache):
+                pass
+        except OSError as e:
+            raise UserError(f"stage_cache={cfg.stage_cache!r}: cannot write there ({e.strerror or e})") from None
     ds = load_dataset(cfg)
     fed = build_federation(cfg, ds)
     name = default_model(ds) if cfg.model == "auto" else cfg.model
@@ -89,6 +96,9 @@ def prepare(cfg: Config) -> Prepared:
             check_run(info, model)
         except ValueError as e:
             raise UserError(str(e)) from None
+        except Exception as e:  # noqa: BLE001 - a plugin's check may raise anything: one line naming it
+            raise UserError(f"algo={cfg.algo!r}: its Params.check_run raised {type(e).__name__}: "
+                            f"{str(e).splitlines()[0] if str(e) else ''}") from None
     if cfg.dp_noise > 0:
         from rayfl.privacy import check_model
 

@@ -44,6 +44,8 @@ def parse_params(items: list[str]) -> dict:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise UserError(f"--param {item!r}: expected KEY=VALUE")
+        if key.strip() in params:
+            raise UserError(f"--param {item!r}: {key.strip()} is given twice; give each knob once")
         params[key.strip()] = yaml_value(value.strip(), key.strip())
     return params
 

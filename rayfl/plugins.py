@@ -9,13 +9,14 @@ as it is registered: a mistake is one line before Ray starts.
 Ray runs the work in other processes. What was registered here travels with the run (:func:`carried`, inside
 what the driver, the client actors and a sweep's trials receive) and is registered there when it arrives; a
 module loaded from a file is not importable there, so its classes are pickled by value. A run directory
-records which plugins were loaded (paths and module names, never code), for ``--resume``
-(:func:`write_record`, :func:`reload_recorded`); :func:`loaded_sources` is the list a cluster's runtime
-environment would ship.
+records which plugins were loaded (paths and module names, never code), for ``--resume``, which imports none
+of them: they must be given again (:func:`write_record`, :func:`rayfl.resume.check_recorded_plugins`);
+:func:`loaded_sources` is the list a cluster's runtime environment would ship.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import importlib.util
@@ -133,31 +134,80 @@ def _import(source: str, what: str) -> tuple[str, types.ModuleType]:
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module  # dataclasses and pickling look the module up by name while it runs
         try:
-            spec.loader.exec_module(module)
-        except Exception as e:  # noqa: BLE001 - whatever the file raises: one line with its message
+            with _import_guard(what):
+                spec.loader.exec_module(module)
+        except BaseException:
             del sys.modules[name]
-            raise UserError(f"{what}: importing it failed: {_first_line(e)}") from None
+            raise
         module.__rayfl_plugin__ = path
         return path, module
     if text in _loaded:
         return text, _loaded[text]["module"]
     try:
-        module = importlib.import_module(text)
-    except ModuleNotFoundError as e:
-        if e.name and (text == e.name or text.startswith(e.name + ".")):
-            raise UserError(f"{what}: no such file or module (a plugin is a .py file, or a dotted module name "
-                            f"importable from sys.path)") from None
-        raise UserError(f"{what}: importing it failed: {_first_line(e)}") from None
-    except Exception as e:  # noqa: BLE001
-        raise UserError(f"{what}: importing it failed: {_first_line(e)}") from None
+        with _import_guard(what, module=text):
+            module = importlib.import_module(text)
+    except _NotFound:
+        raise UserError(f"{what}: no such file or module (a plugin is a .py file, or a dotted module name "
+                        f"importable from sys.path)") from None
     module.__rayfl_plugin__ = text
     return text, module
 
 
+SLOW_IMPORT_S = 5.0  # an import still going after this long is announced (it may be waiting on something)
+
+
+class _NotFound(Exception):
+    pass
+
+
+class _ExitCalled(BaseException):
+    def __init__(self, code):
+        super().__init__(f"os._exit({code})")
+
+
+@contextlib.contextmanager
+def _import_guard(what: str, module: str = ""):
+    """Importing a plugin: whatever it raises, an exit included (``sys.exit``, ``os._exit`` while it imports, a
+    KeyboardInterrupt), is one line naming it; an import still going after SLOW_IMPORT_S is announced."""
+    import threading
+
+    timer = threading.Timer(SLOW_IMPORT_S, lambda: print(f"rayfl: importing {what} is taking more than "
+                                                         f"{SLOW_IMPORT_S:g} s ...", file=sys.stderr, flush=True))
+    timer.daemon = True
+    real_exit = os._exit
+
+    def refuse_exit(code=0):
+        raise _ExitCalled(code)
+
+    os._exit = refuse_exit
+    timer.start()
+    try:
+        yield
+    except ModuleNotFoundError as e:
+        if module and e.name and (module == e.name or module.startswith(e.name + ".")):
+            raise _NotFound() from None  # the module itself, not one it imports
+        raise UserError(f"{what}: importing it failed: {_first_line(e)}") from None
+    except (SystemExit, _ExitCalled) as e:
+        call = f"sys.exit({e.code!r})" if isinstance(e, SystemExit) else str(e)
+        raise UserError(f"{what}: importing it called {call}; a plugin must define its algorithms, datasets or "
+                        f"models, not end the program") from None
+    except BaseException as e:  # noqa: BLE001 - whatever the file raises, a KeyboardInterrupt included: one line
+        if isinstance(e, UserError):
+            raise
+        raise UserError(f"{what}: importing it failed: {_first_line(e)}") from None
+    finally:
+        timer.cancel()
+        os._exit = real_exit
+
+
 def _objects(module: types.ModuleType, names: tuple[str, str]) -> list:
     one, many = names
-    out = [getattr(module, one)] if hasattr(module, one) else []
-    listed = getattr(module, many, None)
+    try:
+        out = [getattr(module, one)] if hasattr(module, one) else []
+        listed = getattr(module, many, None)
+    except Exception as e:  # noqa: BLE001 - a module __getattr__ that raises: one line naming the plugin
+        raise UserError(f"plugin {_source_of(module) or module.__name__}: reading {one} / {many} from it raised "
+                        f"{_first_line(e)}") from None
     if listed is not None:
         if not isinstance(listed, (list, tuple)):
             raise UserError(f"plugin {_source_of(module)}: {many} must be a list")
@@ -333,39 +383,6 @@ def write_record(run_dir: str, algo: str) -> None:
         return
     with open(path, "w") as f:
         yaml.safe_dump({"plugins": entries}, f, sort_keys=False)
-
-
-def reload_recorded(run_dir: str) -> None:
-    """Load again the plugins a run directory records, before its config is read (its algorithm may be one of
-    them). One that cannot be loaded, and whose algorithms are not registered otherwise (``--plugin`` with its new
-    path), is one line naming it."""
-    from rayfl.config import load_yaml
-
-    path = os.path.join(run_dir, RECORD)
-    if not os.path.isfile(path):
-        return
-    data = load_yaml(path, "plugin record") or {}
-    entries = data.get("plugins") if isinstance(data, dict) else None
-    if not isinstance(entries, list) or not all(isinstance(e, dict) and isinstance(e.get("source"), str)
-                                                for e in entries):
-        raise UserError(f"--resume {run_dir!r}: {RECORD} there is not a list of plugins (source, algorithms)")
-    load_plugins(env=True)
-    for entry in entries:
-        names = [n for n in entry.get("algorithms") or [] if isinstance(n, str)]
-        known = set(registry.algorithm_names())
-        if names and all(n in known for n in names):
-            continue
-        source = entry["source"]
-        if source.startswith("python:"):
-            raise UserError(f"--resume {run_dir!r}: its algorithm {', '.join(names)} was registered from Python "
-                            f"({source[len('python:'):]}); register it again (rayfl.register_algorithm) before "
-                            f"resuming")
-        try:
-            load_plugin(source)
-        except UserError as e:
-            reason = (str(e).partition(": ")[2] or str(e)).split(" (a plugin is")[0]
-            raise UserError(f"--resume {run_dir!r}: the run used plugin {source!r}, which cannot be loaded now "
-                            f"({reason}); give it with --plugin FILE") from None
 
 
 def _shown(value: Any, limit: int = 80) -> str:

@@ -14,7 +14,45 @@ import os
 
 import numpy as np
 
-from rayfl.config import UserError
+from rayfl.config import UserError, shown
+from rayfl.user_input import MAX_MAGNITUDE
+
+
+def check_recorded_plugins(run_dir: str) -> None:
+    """The plugins a run directory records (``plugins.yaml``) must be loaded already, by ``--plugin`` /
+    ``plugins=`` or ``$RAYFL_PLUGINS``: a directory handed over names code, it never runs it. A recorded plugin
+    counts as given again when its algorithms are registered now (a file moved elsewhere, given by its new path)
+    or its source was loaded; the first that is neither is one line naming it."""
+    from rayfl import algorithms as registry
+    from rayfl.config import load_yaml
+    from rayfl.plugins import RECORD, load_plugins, loaded_sources
+
+    path = os.path.join(run_dir, RECORD)
+    if not os.path.lexists(path):
+        return
+    if not os.path.isfile(path) or os.path.islink(path):
+        raise UserError(f"--resume {run_dir!r}: {RECORD} there is not a regular file")
+    data = load_yaml(path, "plugin record") or {}
+    entries = data.get("plugins") if isinstance(data, dict) else None
+    if not isinstance(entries, list) or not all(
+            isinstance(e, dict) and isinstance(e.get("source"), str)
+            and isinstance(e.get("algorithms") or [], list) for e in entries):
+        raise UserError(f"--resume {run_dir!r}: {RECORD} there is not a list of plugins (source, algorithms)")
+    load_plugins(env=True)  # entry points and $RAYFL_PLUGINS, which the user's environment names
+    known, loaded = set(registry.algorithm_names()), set(loaded_sources())
+    for entry in entries:
+        source = entry["source"]
+        names = [n for n in entry.get("algorithms") or [] if isinstance(n, str)]
+        if (names and all(n in known for n in names)) or source in loaded:
+            continue
+        what = f" (algorithm {', '.join(names)})" if names else ""
+        if source.startswith("python:"):
+            raise UserError(f"--resume {run_dir!r}: its algorithm {', '.join(names)} was registered from Python "
+                            f"({source[len('python:'):]}); register it again (rayfl.register_algorithm) before "
+                            f"resuming")
+        raise UserError(f"--resume {run_dir!r}: the run used plugin {shown(source)}{what}, which is not loaded; "
+                        f"a run directory's plugins are never imported from it: give it again with --plugin "
+                        f"FILE_OR_MODULE (or $RAYFL_PLUGINS) if you trust it")
 
 
 def check_checkpoint(run_dir: str, prepared) -> None:
@@ -46,12 +84,26 @@ def check_checkpoint(run_dir: str, prepared) -> None:
     for key, kind in (("history", list), ("setup_metrics", dict), ("dp_history", list)):
         if key in state and not isinstance(state[key], kind):
             raise refuse(f"{key}: a {type(state[key]).__name__}, expected a {kind.__name__}")
-    if not all(isinstance(rec, dict) for rec in state["history"]):
-        raise refuse("history: every round's record must be a mapping")
+    stages = [stage.name for stage in server.stages()]
+    problem = _history_problem(state["history"], step, stages)
+    if problem:
+        raise refuse(problem)
+    if "dp_history" in state and not all(isinstance(h, (list, tuple)) and all(_number(v) for v in h)
+                                         for h in state["dp_history"]):
+        raise refuse("dp_history: every entry must be a list of numbers")
     template = server.state_dict()
     for name in getattr(server, "growing_state", ()):  # arrays a Server declares to change shape over a run
         if isinstance(template.get(name), np.ndarray):
             template[name] = np.empty((0,) * template[name].ndim, template[name].dtype)
+    for name in getattr(server, "client_ids", ()):  # the ids a Server keeps must be clients of this run
+        ids = state["server"].get(name) if isinstance(state["server"], dict) else None
+        if ids is not None and not (isinstance(ids, (list, tuple)) and all(
+                type(c) is int and 0 <= c < cfg.clients for c in ids)):
+            raise refuse(f"server.{name}={str(ids)[:60]}: must be a list of this run's client ids (0 to "
+                         f"{cfg.clients - 1})")
+    big = _beyond_magnitude(state["server"], "server")
+    if big:
+        raise refuse(f"{big}: holds values beyond {MAX_MAGNITUDE:g} in magnitude (a run's state never does)")
     try:
         check_like(state["server"], template, "server")
         server.load_state_dict(state["server"])
@@ -85,6 +137,47 @@ def check_checkpoint(run_dir: str, prepared) -> None:
                 raise refuse(f"clients[{cid}]: cannot be loaded ({type(e).__name__}: {str(e)[:100]})") from None
     finally:
         restore()
+
+
+def _beyond_magnitude(tree, where: str) -> str | None:
+    """The path of the first floating-point array in ``tree`` holding a finite value beyond MAX_MAGNITUDE."""
+    stack = [(tree, where)]
+    while stack:
+        v, path = stack.pop()
+        if isinstance(v, dict):
+            stack += [(x, f"{path}.{k}") for k, x in v.items()]
+        elif isinstance(v, (list, tuple)):
+            stack += [(x, f"{path}[{i}]") for i, x in enumerate(v)]
+        elif isinstance(v, np.ndarray) and v.dtype.kind == "f" and v.size:
+            finite = v[np.isfinite(v)]
+            if finite.size and np.abs(finite).max() > MAX_MAGNITUDE:
+                return path
+    return None
+
+
+def _number(v) -> bool:
+    return type(v) in (int, float) or isinstance(v, (np.integer, np.floating))
+
+
+def _history_problem(history: list, step: int, stages: list) -> str | None:
+    """What is wrong with the rounds' records a checkpoint holds, if anything: each is a mapping with the
+    round's ``step`` (increasing, at most the checkpoint's), the name of one of the run's stages, and numbers
+    (NaN included: a diverged round is one) under names of metrics."""
+    last = -1
+    for i, rec in enumerate(history):
+        if not isinstance(rec, dict):
+            return f"history[{i}]: a {type(rec).__name__}, expected a round's record (a mapping)"
+        s = rec.get("step")
+        if type(s) is not int or not last < s <= step:
+            return f"history[{i}].step={str(s)[:40]}: must be a round index after the one before, at most {step}"
+        if rec.get("stage") not in stages:
+            return (f"history[{i}].stage={str(rec.get('stage'))[:40]}: not one of this run's stages "
+                    f"({', '.join(stages)})")
+        for key, value in rec.items():
+            if key not in ("step", "stage") and not (isinstance(key, str) and _number(value)):
+                return f"history[{i}][{str(key)[:40]!r}]: must be a metric name with a number"
+        last = s
+    return None
 
 
 def _check_weights(tree, initial: np.ndarray, where: str) -> None:

@@ -2,7 +2,8 @@
 
 Starting or attaching Ray (a private loopback instance with its own token, or a given cluster, probed first so
 that a wrong ``--address`` is one line within seconds), shutting it down with the environment restored, the
-checks on a tracking store made before anything starts, and a run directory's layout (``config.yaml`` beside
+checks on a tracking store made on a cluster (those made here are :mod:`rayfl.tracking_store`'s), and a run
+directory's layout (``config.yaml`` beside
 its checkpoints, what ``--resume`` reads back).
 """
 
@@ -17,6 +18,8 @@ from typing import Callable
 
 from rayfl.config import UserError, check_value, make_config, read_yaml, shown
 from rayfl.progress import stderr_into
+from rayfl.tracking_store import (CONNECT_TIMEOUT_S, check_tracking_store,  # noqa: F401 - re-exported
+                                  tracking_server_problem, unreachable)
 
 Progress = Callable[[dict], None]
 
@@ -28,7 +31,6 @@ class RayStartError(Exception):
     """Ray could not be started or reached for a reason that is not the user's: one line, exit 1."""
 
 
-CONNECT_TIMEOUT_S = 5.0
 _SAVED_ENV: dict[str, str | None] = {}
 
 
@@ -176,17 +178,6 @@ def check_address(address: str | None) -> None:
         raise UserError(f"address={shown(address)}: no Ray cluster answers there ({reason})")
 
 
-def unreachable(host: str, port: int) -> str | None:
-    """Why nothing accepts a TCP connection at host:port within CONNECT_TIMEOUT_S; None when something does."""
-    import socket
-
-    try:
-        socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S).close()
-    except OSError as e:
-        return e.strerror or str(e) or type(e).__name__
-    return None
-
-
 # An HTTP/2 client's connection preface and an empty SETTINGS frame (RFC 9113, 3.4 and 6.5): a gRPC server, as
 # Ray's GCS and its client server are, answers with a SETTINGS frame of its own.
 _HTTP2_HELLO = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
@@ -220,34 +211,6 @@ def not_grpc(host: str, port: int) -> str | None:
 # --------------------------------------------------------------------------------------------------
 # The tracking store
 # --------------------------------------------------------------------------------------------------
-def check_tracking_store(uri: str, experiment: str) -> None:
-    """A SQLite file or store directory on this machine that MLflow could not open or write, or a tracking
-    server that does not answer, refused before anything starts (the store itself is opened by the run's
-    driver, in the background; MLflow would retry a silent server for minutes)."""
-    if uri.startswith(("http://", "https://")):
-        import urllib.parse
-
-        url = urllib.parse.urlparse(uri)
-        port = url.port or (443 if url.scheme == "https" else 80)
-        reason = unreachable(url.hostname, port) if url.hostname else None
-        problem = f"no server answers at {url.hostname}:{port}: {reason}" if reason else None
-    elif uri.startswith("sqlite:////"):  # SQLite makes the file, not its directory
-        path = uri[len("sqlite:///"):]
-        folder = os.path.dirname(path)
-        problem = ("it is a directory" if os.path.isdir(path) else
-                   f"no directory {folder}" if not os.path.isdir(folder) else _unwritable(path, folder))
-    elif uri.startswith("/") or uri.startswith("file:///"):  # a file store makes its directories
-        path = uri.removeprefix("file://")
-        folder = path
-        while not os.path.exists(folder):
-            folder = os.path.dirname(folder)
-        problem = f"{folder} is a file" if not os.path.isdir(folder) else _unwritable(path, folder)
-    else:
-        return
-    if problem:
-        raise UserError(f"tracking_uri={uri!r}: cannot open experiment {experiment!r} there ({problem})")
-
-
 def check_threads_here(threads: int, address: str | None) -> None:
     """On a private local instance (no ``address``) every actor's torch threads share this machine's cores:
     more threads per actor than it has CPUs only spin against each other."""
@@ -289,11 +252,6 @@ def _tracking_problem(uri: str, experiment: str) -> str | None:
     return None
 
 
-def _unwritable(path: str, folder: str) -> str | None:
-    target = path if os.path.exists(path) else folder
-    return None if os.access(target, os.W_OK) else f"{target} is not writable"
-
-
 def open_experiment(uri: str, experiment: str) -> str:
     """The experiment's id in the tracking store; a store that cannot be opened is one line."""
     from rayfl.tracking import ensure_experiment, store_error
@@ -332,15 +290,15 @@ def make_run_dir(cfg, run_name: str, uri: str) -> str:
 
 def load_run_dir(run_dir: str):
     """The Config saved in a run directory, for --resume: it must be a rayfl run directory with a checkpoint."""
-    from rayfl.loop import Loop
-
     check_value("--resume", run_dir)
     saved = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(saved):
         raise UserError(f"--resume {run_dir!r}: no config.yaml there (not a rayfl run directory)")
-    from rayfl.plugins import reload_recorded
+    from rayfl.resume import check_recorded_plugins
 
-    reload_recorded(run_dir)  # the plugins the run loaded (its algorithm may be one), before its config is read
+    check_recorded_plugins(run_dir)  # the plugins it recorded are given again (never imported from it)
+    from rayfl.loop import Loop  # (torch: after what is refused without it)
+
     try:
         cfg = make_config(None, read_yaml(saved))
     except UserError as e:

@@ -155,7 +155,16 @@ def summary_markdown(cfg, final: dict, total: int, report=None, setting: str = "
 def resolve_tracking_uri(uri: str | None) -> str:
     """The flag, else MLFLOW_TRACKING_URI, else a local sqlite file; local paths made absolute
     so that actors whose working directory differs write to the same store."""
-    uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+    if not uri and os.environ.get("MLFLOW_TRACKING_URI"):  # checked as the flag is, named as what it is
+        from rayfl.config import check_tracking_uri
+        from rayfl.user_input import UserError
+
+        uri = os.environ["MLFLOW_TRACKING_URI"]
+        try:
+            check_tracking_uri(uri)
+        except UserError as e:
+            raise UserError(f"$MLFLOW_TRACKING_URI: {e}") from None
+    uri = uri or DEFAULT_TRACKING_URI
     if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
         uri = "sqlite:///" + os.path.abspath(uri[len("sqlite:///"):])
     elif ":" not in uri and uri not in ("databricks", "databricks-uc", "uc"):  # a plain path: a file store
@@ -672,7 +681,8 @@ class MlflowTracker(Callback):
                     error = e
             if self.sender is not None:
                 self.sender.put(("status", status, int(time.time() * 1000)))
-                bound = wait if server_address(self.uri) is not None else None  # a local store: its errors end it
+                # a local store: its errors end a finished run, however long it takes; a failing one waits so long
+                bound = wait if server_address(self.uri) is not None or status != "FINISHED" else None
                 drained = False
                 try:
                     drained = self.sender.drain(bound)

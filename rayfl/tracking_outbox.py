@@ -22,7 +22,6 @@ lines files only when they could not be sent (at a checkpoint while the server i
 
 from __future__ import annotations
 
-import glob
 import json
 import math
 import os
@@ -83,17 +82,97 @@ def _append_lines(path: str, rows) -> None:
             os.fsync(f.fileno())
 
 
+MAX_FILE_BYTES = 1 << 30  # one outbox file (a run's unsent metrics: about 100 bytes a point)
+RUN_STATUSES = ("RUNNING", "SCHEDULED", "FINISHED", "FAILED", "KILLED")
+_INT64 = 2**63
+
+
+def _refuse(path: str, problem: str):
+    from rayfl.user_input import UserError
+
+    return UserError(f"{path}: {problem}; an outbox holds the plain files a run wrote there (see rayfl sync --help)")
+
+
+def _regular(path: str) -> bool:
+    """Whether ``path`` is there; a link or anything but a regular file is refused (an outbox is read as it
+    is, never through a link to what lies elsewhere), as is one larger than MAX_FILE_BYTES."""
+    import stat
+
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISREG(st.st_mode):
+        raise _refuse(path, "a link or a special file, not a regular file")
+    if st.st_size > MAX_FILE_BYTES:
+        raise _refuse(path, f"{st.st_size:,} bytes; at most {MAX_FILE_BYTES:,}")
+    return True
+
+
+def _is_int(v, low: int = -_INT64, high: int = _INT64) -> bool:
+    return type(v) is int and low <= v < high
+
+
+def _is_value(v) -> bool:
+    return (type(v) in (int, float) and math.isfinite(v)) or v in ("NaN", "Infinity", "-Infinity")
+
+
+def _is_key(v) -> bool:
+    return isinstance(v, str) and 0 < len(v) <= 1000 and v.isprintable()
+
+
+def _metric_row(r) -> bool:
+    return (isinstance(r, dict) and _is_key(r.get("key")) and _is_value(r.get("value"))
+            and _is_int(r.get("timestamp"), 0) and _is_int(r.get("step")))
+
+
+def _pair_row(r) -> bool:
+    return isinstance(r, dict) and _is_key(r.get("key")) and isinstance(r.get("value"), str)
+
+
+def _delivered_row(r) -> bool:
+    if not isinstance(r, dict) or len(r) != 1:
+        return False
+    (kind, v), = r.items()
+    if kind == "metric":
+        return (isinstance(v, list) and len(v) == 4 and _is_key(v[0]) and _is_int(v[1]) and _is_value(v[2])
+                and _is_int(v[3], 0))
+    if kind in ("param", "tag"):
+        return isinstance(v, list) and len(v) == 2 and _is_key(v[0]) and isinstance(v[1], str)
+    if kind == "files":
+        return isinstance(v, str) and v.isdigit() and len(v) <= 12
+    return kind == "status" and v in RUN_STATUSES
+
+
+ROWS = {"metrics.jsonl": (_metric_row, '{"key", "value": a number, "NaN", "Infinity" or "-Infinity", '
+                                       '"timestamp": ms >= 0, "step": an integer}'),
+        "params.jsonl": (_pair_row, '{"key", "value": a string}'),
+        "tags.jsonl": (_pair_row, '{"key", "value": a string}'),
+        "delivered.jsonl": (_delivered_row, '{"metric": [key, step, value, timestamp]}, {"param"|"tag": [key, value]}, '
+                                            '{"files": "NNNNNN"} or {"status": STATUS}')}
+
+
 def _read_lines(path: str) -> list[dict]:
-    """A JSON lines file's records; a last line cut short (the writer was killed mid-line) is skipped."""
-    if not os.path.isfile(path):
+    """A JSON lines file's records, each checked as its file's kind (:data:`ROWS`); a last line cut short (the
+    writer was killed mid-line) is skipped, any other line that is not such a record is one line naming it."""
+    if not _regular(path):
         return []
+    check, shape = ROWS[os.path.basename(path)]
     out = []
-    with open(path) as f:
-        for line in f:
-            try:
-                out.append(json.loads(line))
-            except ValueError:
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line.decode("utf-8"), parse_constant=lambda c: c)  # NaN stays the text it was
+        except (ValueError, UnicodeDecodeError):
+            if number == len(lines):  # no newline after it: cut short
                 continue
+            raise _refuse(f"{path}:{number}", "not a line of JSON") from None
+        if not check(row):
+            raise _refuse(f"{path}:{number}", f"not a record {shape}")
+        out.append(row)
     return out
 
 
@@ -127,10 +206,20 @@ class Outbox:
 
     def run(self) -> dict:
         path = os.path.join(self.dir, "run.json")
-        if not os.path.isfile(path):
+        if not _regular(path):
             return {"run_id": None, "tracking_uri": None, "experiment_id": None, "status": None, "end_time": None}
-        with open(path) as f:
-            return json.load(f)
+        try:
+            with open(path, encoding="utf-8") as f:
+                run = json.load(f)
+        except (ValueError, UnicodeDecodeError):
+            raise _refuse(path, "not JSON") from None
+        if not (isinstance(run, dict) and all(isinstance(run.get(k), (str, type(None)))
+                                              for k in ("run_id", "tracking_uri", "experiment_id"))
+                and run.get("status") in (None, *RUN_STATUSES) and (run.get("end_time") is None
+                                                                   or _is_int(run["end_time"], 0))):
+            raise _refuse(path, 'not a run record {"run_id", "tracking_uri", "experiment_id": strings, "status": '
+                                f'one of {", ".join(RUN_STATUSES)} or null, "end_time": ms or null}}')
+        return run
 
     def spill(self, records) -> None:
         """Records not sent, into the JSON lines files (their artifact trees are already under ``files/``)."""
@@ -171,7 +260,7 @@ class Outbox:
         params = [(r["key"], r["value"]) for r in _read_lines(os.path.join(self.dir, "params.jsonl"))]
         tags = [(r["key"], r["value"]) for r in _read_lines(os.path.join(self.dir, "tags.jsonl"))]
         files = sorted(n for n in os.listdir(self.files) if n.isdigit() and n not in done["files"]
-                       and any(os.scandir(os.path.join(self.files, n))))
+                       and plain_tree(os.path.join(self.files, n)))
         status = self.run().get("status")
         return {"metrics": [m for m in dict.fromkeys(metrics) if _metric_id(m) not in done["metric"]],
                 "params": [p for p in dict.fromkeys(params) if p not in done["param"]],
@@ -181,6 +270,23 @@ class Outbox:
     def count(self) -> int:
         u = self.unsent()
         return len(u["metrics"]) + len(u["params"]) + len(u["tags"]) + len(u["files"]) + bool(u["status"])
+
+
+def plain_tree(path: str) -> bool:
+    """Whether an artifact tree holds any file; every entry in it must be a directory or a regular file (a
+    link, to a file or a directory, would send what lies outside the outbox: refused in one line)."""
+    import stat
+
+    if os.path.islink(path) or not os.path.isdir(path):
+        raise _refuse(path, "a link or a file, not a directory of artifact files")
+    found = False
+    for folder, dirs, names in os.walk(path):  # links to directories are listed in dirs and not followed
+        for name in dirs + names:
+            mode = os.lstat(os.path.join(folder, name)).st_mode
+            if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
+                raise _refuse(os.path.join(folder, name), "a link or a special file, not a regular file")
+        found = found or bool(names)
+    return found
 
 
 def _metric_id(m: tuple) -> tuple:
@@ -372,8 +478,13 @@ class Sender:
 def kept_runs(root: str) -> list[str]:
     """The run directories at or below ``root`` (a run's, a sweep's, a comparison's: its parent run's records
     are at its top) that keep records, ``root`` first."""
-    found = glob.glob(os.path.join(glob.escape(root), "**", OUTBOX, "run.json"), recursive=True)
-    return sorted((os.path.dirname(os.path.dirname(path)) for path in found), key=lambda d: (d != root, d))
+    found = []
+    for folder, dirs, _ in os.walk(root):  # links to directories are not followed
+        if OUTBOX in dirs and not os.path.islink(os.path.join(folder, OUTBOX)) \
+                and os.path.lexists(os.path.join(folder, OUTBOX, "run.json")):
+            found.append(folder)
+        dirs[:] = [d for d in dirs if d != OUTBOX]
+    return sorted(found, key=lambda d: (d != root, d))
 
 
 def kept_line(root: str, uri: str, what: str) -> str | None:
@@ -392,38 +503,97 @@ def sync(run_dir: str, tracking_uri: str | None = None, say=lambda line: None) -
     records is synced, and the counts come back by directory."""
     from rayfl.config import UserError
 
+    from rayfl.config import check_value, shown
+
+    if not isinstance(run_dir, (str, os.PathLike)) or not os.fspath(run_dir).strip():
+        raise UserError(f"run_dir={shown(run_dir)}: must be a run directory (a path)")
+    if tracking_uri is not None and not isinstance(tracking_uri, str):
+        raise UserError(f"tracking_uri={shown(tracking_uri)}: must be a string (a tracking URI)")
+    run_dir = os.fspath(run_dir)
+    check_value("run_dir", run_dir)
     root = os.path.abspath(os.path.expanduser(run_dir))
     kept = kept_runs(root) if os.path.isdir(root) else []
     if not kept:
         raise UserError(f"run_dir={run_dir!r}: no {OUTBOX}/run.json there or below: nothing kept to send (a run "
                         "that delivered everything keeps no outbox)")
-    if kept == [root]:
-        return sync_run(root, tracking_uri, say, shown=run_dir)
-    return {path: sync_run(path, tracking_uri, lambda line, path=path: say(f"{line} (from {path})"))
-            for path in kept}
+    with bounded_http():
+        if kept == [root]:
+            return sync_run(root, tracking_uri, say, shown=run_dir)
+        return {path: sync_run(path, tracking_uri, lambda line, path=path: say(f"{line} (from {path})"))
+                for path in kept}
+
+
+# what one MLflow REST call of a sync may take (MLflow's defaults: 120 s a call, 7 retries with back-off)
+SYNC_HTTP = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "30", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2"}
+
+
+class bounded_http:
+    """MLflow's HTTP calls bounded (:data:`SYNC_HTTP`) while a sync runs, unless the user set them."""
+
+    def __enter__(self):
+        self.set = [k for k in SYNC_HTTP if k not in os.environ]
+        os.environ.update({k: SYNC_HTTP[k] for k in self.set})
+
+    def __exit__(self, *exc):
+        for k in self.set:
+            os.environ.pop(k, None)
+
+
+def sync_target(run_dir: str, run: dict, tracking_uri: str | None) -> str:
+    """Where a sync sends: ``tracking_uri`` as the user gave it, else the URI the outbox's run.json records,
+    checked as any --tracking-uri is and, since a directory may come from elsewhere, only a store that is
+    already there (sync never makes a database or a store directory) or a server that answers its health check
+    within seconds."""
+    from rayfl.config import check_tracking_uri, shown, tracking_scheme
+    from rayfl.tracking_store import check_tracking_store, tracking_server_problem
+    from rayfl.user_input import UserError
+
+    recorded = tracking_uri is None
+    uri = run.get("tracking_uri") if recorded else tracking_uri
+    where = f"{OUTBOX}/run.json's tracking_uri (in {run_dir})" if recorded else "tracking_uri"
+    if recorded and not uri:
+        raise UserError(f"run_dir={run_dir!r}: {OUTBOX}/run.json names no tracking URI; give one with --tracking-uri")
+    try:
+        check_tracking_uri(uri)
+    except UserError as e:
+        raise UserError(f"{where}: {e}") from None
+    scheme = tracking_scheme(uri)
+    if scheme in ("http", "https"):
+        problem = tracking_server_problem(uri)
+        if problem:
+            raise UserError(f"tracking_uri={shown(uri)}: {problem}; start it (the same backend store the run used) "
+                            f"and sync again")
+        return uri
+    if recorded and scheme not in ("sqlite", "", "file"):
+        raise UserError(f"{where}={shown(uri)}: a sync sends to a recorded store only where it is a server, a "
+                        f"SQLite file or a store directory; give this one with --tracking-uri")
+    store = uri.removeprefix("sqlite:///") if scheme == "sqlite" else uri.removeprefix("file://")
+    if scheme in ("sqlite", "", "file") and (not os.path.isabs(store) if recorded else False):
+        raise UserError(f"{where}={shown(uri)}: not an absolute path (a run records its store's absolute path)")
+    if scheme == "sqlite" and not os.path.isfile(store) or scheme in ("", "file") and not os.path.isdir(store):
+        raise UserError(f"{where}={shown(uri)}: no such store there; a sync sends to the store the run logged "
+                        f"to and makes none (--tracking-uri names another)")
+    check_tracking_store(uri, "(the run's)")
+    return uri
 
 
 def sync_run(root: str, tracking_uri: str | None = None, say=lambda line: None, shown: str | None = None) -> dict:
     """:func:`sync` of the one run whose outbox is in ``root`` (``shown``: the path as the user gave it)."""
-    from mlflow.entities import Metric
-    from mlflow.tracking import MlflowClient
-
     from rayfl.config import UserError
 
     run_dir = shown or root
+    for path in (outbox_dir(root), os.path.join(outbox_dir(root), "files")):
+        if os.path.islink(path):
+            raise _refuse(path, "a link, not the run's own directory")
     box = Outbox(outbox_dir(root))
     run = box.run()
-    if tracking_uri is not None:
-        from rayfl.config import check_tracking_uri
-
-        check_tracking_uri(tracking_uri)
-    uri = tracking_uri or run.get("tracking_uri")
-    if not run.get("run_id") or not uri:
+    if not run.get("run_id"):
         raise UserError(f"run_dir={run_dir!r}: {OUTBOX}/run.json names no MLflow run (the run never created one)")
-    address = server_address(uri)
-    if address is not None and not answers(address, timeout=3.0):
-        raise UserError(f"tracking_uri={uri!r}: no server answers at {address[0]}:{address[1]}; start it (the "
-                        "same backend store the run used) and sync again")
+    todo = box.unsent()  # every file read and checked before anything is sent
+    uri = sync_target(run_dir, run, tracking_uri)
+    from mlflow.entities import Metric  # (1.3 s of imports: after everything that can be refused without them)
+    from mlflow.tracking import MlflowClient
+
     client = MlflowClient(uri)
     run_id = run["run_id"]
     try:
@@ -431,7 +601,6 @@ def sync_run(root: str, tracking_uri: str | None = None, say=lambda line: None, 
     except Exception as e:  # noqa: BLE001 - the run is not in that store
         raise UserError(f"tracking_uri={uri!r}: MLflow run {run_id} is not there ({type(e).__name__}); give the "
                         "URI of the server the run logged to (--tracking-uri)") from None
-    todo = box.unsent()
     sent = {"metrics": 0, "params": 0, "tags": 0, "files": 0, "status": None}
     # points the run already holds (sent before the server went away, its reply lost) are not sent again
     held = set()

@@ -8,6 +8,7 @@ datasets, models) can all use it without importing one another.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 
@@ -19,14 +20,30 @@ class UserError(Exception):
 
     def __init__(self, message: Any = "", *args):
         if isinstance(message, str):
-            message = message.replace("\r", "\\r").replace("\n", "\\n")
+            message = mask_credentials(message).replace("\r", "\\r").replace("\n", "\\n")
             if len(message) > MAX_MESSAGE:
                 half = MAX_MESSAGE // 2
                 message = f"{message[:half]} ...[{len(message) - 2 * half} characters]... {message[-half:]}"
         super().__init__(message, *args)
 
 
+# ://user:password@ in a URI: the password is never printed (a literal start: linear in the text's length)
+_CREDENTIALS = re.compile(r"://([^/\s:@'\"]*):[^/\s@'\"]*@")
+
+
+def mask_credentials(text: str) -> str:
+    """``text`` with the password of every ``scheme://user:password@host`` in it replaced by ``***``."""
+    return _CREDENTIALS.sub(r"://\1:***@", text) if "://" in text else text
+
+
 MAX_MESSAGE = 2000  # characters of one error line (the longest own message, every config key listed, is ~900)
+
+
+def same_value(value: Any) -> Any:
+    """What makes two given values the same setting: a number by its value (1 and 1.0), anything else by repr."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return ("number", float(value))
+    return repr(value)
 
 
 def did_you_mean(word: str, choices) -> str:
@@ -38,6 +55,26 @@ def did_you_mean(word: str, choices) -> str:
 
 
 KIND_TEXT = {int: "an integer", float: "a finite number", bool: "true or false", str: "a string"}
+MAX_COUNT = 10**7  # clients, rounds, batch sizes, samples, integer knobs: beyond any dataset or run rayfl holds
+MAX_EPOCHS = 10_000  # passes over a client's data in one round or stage (local_epochs, a knob named *_epochs)
+# A real number's magnitude, where it is not 0: beyond these a value is a typo that overflows (1e300 squared is
+# infinite) or underflows (1e-300 of anything is 0), not a setting.
+MAX_MAGNITUDE = 1e12
+MIN_MAGNITUDE = 1e-12
+
+
+def check_magnitude(value: float) -> None:
+    """ValueError for a number whose magnitude is beyond [MIN_MAGNITUDE, MAX_MAGNITUDE] (0 is fine)."""
+    if value != 0 and not MIN_MAGNITUDE <= abs(value) <= MAX_MAGNITUDE:
+        raise ValueError(f"must be 0 or of magnitude in [{MIN_MAGNITUDE:g}, {MAX_MAGNITUDE:g}]")
+
+
+def check_count(value: int, name: str = "") -> None:
+    """ValueError for an integer beyond MAX_COUNT in magnitude (or MAX_EPOCHS, for a name ending in epochs)."""
+    bound = MAX_EPOCHS if name.endswith("epochs") else MAX_COUNT
+    if abs(value) > bound:
+        raise ValueError(f"must be at most {bound:,}" + (" (passes over a client's data)" if bound == MAX_EPOCHS
+                                                         else ""))
 
 
 def to_kind(value: Any, kind: type) -> Any:
@@ -71,6 +108,8 @@ def to_kind(value: Any, kind: type) -> Any:
         raise ValueError(expected) from None
     if isinstance(number, float) and not math.isfinite(number):
         raise ValueError("must be a finite number")
+    if kind is float:
+        check_magnitude(number)
     if kind is int:
         if isinstance(number, float) and not number.is_integer():
             raise ValueError(expected)

@@ -178,8 +178,9 @@ def test_idx_declaring_more_than_memory_is_refused_before_reading(tmp_path, monk
     monkeypatch.setattr(psutil, "virtual_memory", lambda: _Memory(8 * 10**9))
     with pytest.raises(UserError) as err:
         D._read_idx(path, 3)
-    # 3.2e6 * 784 bytes, and their float32 copy: 5 bytes a value
-    assert str(err.value) == (f"{path}: its declared 3200000x28x28 bytes (as float32 too) needs 12.5 GB of memory "
+    # 3.2e6 * 784 values at 7 bytes (read, joined, float32), and a standardization chunk of 8192 x 784 x 16 bytes
+    assert 3_200_000 * 784 * 7 + 8192 * 784 * 16 == 17_664_360_448
+    assert str(err.value) == (f"{path}: its declared 3200000x28x28 bytes (as float32 too) needs 17.7 GB of memory "
                               f"to load; 8.0 GB is available and a dataset may take at most 50% of it")
     monkeypatch.setattr(psutil, "virtual_memory", lambda: _Memory(10**12))
     with pytest.raises(UserError, match=r"truncated or padded IDX file \(1000 bytes of data"):

@@ -343,6 +343,18 @@ STATE_EDITS = {  # edit of the loaded checkpoint -> fragment after "checkpoint=<
     "client_tensor_tag_missing": (_untag_gen, "unreadable (clients[0]: malformed snapshot at .gen: KeyError: 't')"),
     "rng_garbage": (_bad_rng, "rng: not a random generator's state"),
     "history_not_list": (_set("history", {"a": 1}), "history: a dict, expected a list"),
+    "history_record_odd": (lambda s: s["history"].append({"odd": "record"}),
+                           "history[4].step=None: must be a round index after the one before"),
+    "history_step_backwards": (lambda s: s["history"].__setitem__(1, {**s["history"][1], "step": 0}),
+                               "history[1].step=0: must be a round index after the one before"),
+    "history_stage_unknown": (lambda s: s["history"].__setitem__(0, {**s["history"][0], "stage": "x"}),
+                              "history[0].stage=x: not one of this run's stages"),
+    "history_metric_text": (lambda s: s["history"][0].__setitem__("test_acc_mean", "high"),
+                            "history[0]['test_acc_mean']: must be a metric name with a number"),
+    "dp_history_garbage": (_set("dp_history", [["x"]]), "dp_history: every entry must be a list of numbers"),
+    "upload_ids_client_99": (_server("upload_ids", [0, 99]),
+                             "server.upload_ids=[0, 99]: must be a list of this run's client ids (0 to 2)"),
+    "p_minus_1e300": (_server("P", np.full((3, 3), -1e300)), "server.P: holds values beyond 1e+12 in magnitude"),
 }
 
 
@@ -434,3 +446,197 @@ def test_every_algorithms_checkpoints_pass_the_check(monkeypatch, tmp_path):
         p = prepare(cfg_for(algo, checkpoint_every=1))
         Loop(p, LocalRuntime(p), checkpoint_dir=str(tmp_path / algo)).run()
     assert {a for a, _ in checked} == set(ALGOS) and len(checked) >= 3 * len(ALGOS)
+
+
+# --------------------------------------------------------------------------------------------------
+# The battery (tests/hostile_battery.py, also its generator): directories handed over, hangs, memory,
+# tracebacks, silent accepts and raw exceptions, each one line with its exit status, nothing left behind
+# --------------------------------------------------------------------------------------------------
+import hostile_battery as battery  # noqa: E402 - the table lives beside its generator
+
+
+@pytest.fixture(scope="module")
+def battery_dir(tmp_path_factory) -> str:
+    t = str(tmp_path_factory.mktemp("battery"))
+    battery.build(t)  # once: every case is refused before it writes anything another case reads
+    return t
+
+
+@pytest.fixture
+def registries():
+    """What a case's plugins register in this process (algorithms, datasets, loaded sources) forgotten after it."""
+    from rayfl import algorithms, plugins
+    from rayfl.data import datasets
+
+    kept = [(d, dict(d)) for d in (algorithms._registered, algorithms._sources, plugins._loaded,
+                                   datasets._REGISTRY, datasets._LAST)]
+    yield
+    for d, before in kept:
+        d.clear()
+        d.update(before)
+
+
+@pytest.mark.parametrize("case", battery.CASES, ids=[c.id for c in battery.CASES])
+def test_battery(case, battery_dir, registries, monkeypatch, capsys, ray_inits):
+    t = battery_dir
+    monkeypatch.chdir(t)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("RAYFL_PLUGINS", raising=False)
+    for key, value in case.env.items():
+        monkeypatch.setenv(key, battery.expand(value, t))
+    if case.available is not None:  # the memory the budget sees: a small input stands for a large one
+        import psutil
+
+        real = psutil.virtual_memory
+        monkeypatch.setattr(psutil, "virtual_memory", lambda: real()._replace(available=case.available))
+    t0 = time.monotonic()
+    if case.api is not None:
+        import rayfl
+
+        with pytest.raises(rayfl.UserError) as e:
+            exec(case.api, {"rayfl": rayfl})  # noqa: S102 - the case's own API call, written above
+        code, err = 2, f"rayfl: error: {e.value}\n"
+    else:
+        code = main(battery.expand(case.argv, t))
+        err = capsys.readouterr().err
+    assert code == case.code, err
+    assert err.startswith("rayfl: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    assert battery.expand(case.fragment, t) in err, err
+    assert "s3cret" not in err
+    for path in case.absent:
+        assert not os.path.exists(battery.expand(path, t)), path
+    assert time.monotonic() - t0 < case.timeout
+    assert not ray_inits
+
+
+def test_the_battery_covers_every_category():
+    ids = [c.id for c in battery.CASES]
+    assert len(ids) == len(set(ids)) and len(ids) >= 90
+    assert {c.category for c in battery.CASES} == {"directories", "hangs", "memory", "tracebacks", "raw exceptions",
+                                                   "silent accepts", "credentials"}
+
+
+# --------------------------------------------------------------------------------------------------
+# tracking servers that never answer, or answer 500: refused within seconds, by run and by sync
+# --------------------------------------------------------------------------------------------------
+HTTP_500 = b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+
+
+@pytest.mark.parametrize("reply, why", [
+    (None, "accepted a connection but sent no answer in 5 s"),
+    (HTTP_500, "answered its health check with HTTP 500 (a server error)"),
+], ids=["silent", "http500"])
+@pytest.mark.parametrize("command", ["run", "sync"])
+def test_a_tracking_server_that_does_not_serve_is_one_line_within_10_s(command, reply, why, tmp_path, monkeypatch,
+                                                                       capsys, ray_inits):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    server = Listener(reply)
+    uri = f"http://alice:s3cret@127.0.0.1:{server.port}"
+    box = tmp_path / "r" / "mlflow_outbox"
+    box.mkdir(parents=True)
+    (box / "run.json").write_text(json.dumps({"run_id": battery.RUN_ID, "tracking_uri": uri, "status": None}))
+    argv = (["run", *battery.TINY, "--tracking-uri", uri] if command == "run" else ["sync", str(tmp_path / "r")])
+    main(argv[:-1] + ["http://127.0.0.1:1"] if command == "run" else ["sync", str(tmp_path / "none")])
+    capsys.readouterr()  # the command's imports done (seconds on a busy machine): what is timed is the wait
+    try:
+        t0 = time.monotonic()
+        code = main(argv)
+        took = time.monotonic() - t0
+    finally:
+        server.close()
+    assert code == 2
+    err = one_line(capsys)
+    assert f"the server at 127.0.0.1:{server.port} {why}" in err and "s3cret" not in err, err
+    assert took < 10, took
+    assert not ray_inits
+
+
+def test_the_health_check_lets_an_answering_server_through():
+    from rayfl.tracking_store import tracking_server_problem
+
+    server = Listener(b"HTTP/1.1 401 Unauthorized\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+    try:
+        assert tracking_server_problem(f"http://127.0.0.1:{server.port}/prefix") is None
+    finally:
+        server.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# what a sync sends: the outbox's own regular files, to the run's existing store
+# --------------------------------------------------------------------------------------------------
+def test_sync_delivers_an_outbox_and_refuses_one_with_a_link_out(tmp_path, capsys):
+    """The same outbox is delivered once its link out is removed: the refusal is the link, not the outbox."""
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path}/m.db"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("e")).info.run_id
+    box = tmp_path / "r" / "mlflow_outbox"
+    (box / "files" / "000000" / "results").mkdir(parents=True)
+    (box / "files" / "000000" / "results" / "own.txt").write_text("the run's own file\n")
+    (tmp_path / "secret.txt").write_text("outside\n")
+    os.symlink(tmp_path / "secret.txt", box / "files" / "000000" / "results" / "secret.txt")
+    (box / "run.json").write_text(json.dumps({"run_id": run_id, "tracking_uri": uri, "experiment_id": "1",
+                                              "status": "FINISHED", "end_time": 5}))
+    (box / "metrics.jsonl").write_text('{"key": "acc", "value": 0.5, "timestamp": 1, "step": 0}\n'
+                                       '{"key": "acc", "value": "NaN", "timestamp": 2, "step": 1}\n{"key": "ac')
+    assert main(["sync", str(tmp_path / "r")]) == 2
+    assert "secret.txt: a link or a special file" in one_line(capsys)
+    assert client.get_metric_history(run_id, "acc") == [] and not client.list_artifacts(run_id)
+
+    os.unlink(box / "files" / "000000" / "results" / "secret.txt")
+    assert main(["sync", str(tmp_path / "r")]) == 0
+    assert "rayfl sync: 2 metric points, 0 params, 0 tags, 1 artifact trees, status FINISHED" in capsys.readouterr().out
+    history = client.get_metric_history(run_id, "acc")
+    assert [m.value for m in history][0] == 0.5 and math.isnan(history[1].value)  # the cut last line skipped
+    assert [a.path for a in client.list_artifacts(run_id, "results")] == ["results/own.txt"]
+    assert client.get_run(run_id).info.status == "FINISHED"
+
+
+# --------------------------------------------------------------------------------------------------
+# a plugin that takes long to import is announced; a trial key with a NUL byte is refused
+# --------------------------------------------------------------------------------------------------
+def test_a_slow_plugin_import_is_announced(tmp_path, monkeypatch, capsys):
+    from rayfl import plugins
+
+    monkeypatch.setattr(plugins, "SLOW_IMPORT_S", 0.2)
+    path = tmp_path / "slow.py"
+    path.write_text("import time\ntime.sleep(1.0)\n")
+    assert main(["algos", "--plugin", str(path)]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == f"rayfl: importing plugin='{path}' is taking more than 0.2 s ..."
+    assert lines[1].startswith(f"rayfl: error: plugin='{path}': defines none of ALGORITHM") and len(lines) == 2
+
+
+def test_a_trial_key_with_a_nul_byte_is_refused(tmp_path):
+    from rayfl.sweep.records import TRIALS_FILE, read_records
+
+    (tmp_path / TRIALS_FILE).write_text(json.dumps({"trials": {"abc\u0000": {"config": {"lr": 0.1}}}}))
+    with pytest.raises(UserError, match=r"trials\.'abc\\x00': not a trial record \(a key of letters"):
+        read_records(str(tmp_path), ["lr"])
+
+
+def test_reading_an_idx_file_costs_what_its_budget_says(tmp_path):
+    """The budget an IDX header is checked against is what reading it takes at its peak, measured (within 20%):
+    a .gz of 5,000 images read as --dataset mnist reads them (their standardization in one chunk)."""
+    import gzip
+    import tracemalloc
+
+    from rayfl.data import datasets
+
+    n = 5000
+    header = bytes([0, 0, 8, 3]) + struct.pack(">III", n, 28, 28)
+    (tmp_path / "train-images-idx3-ubyte.gz").write_bytes(gzip.compress(header + os.urandom(n * 784), 1))
+    (tmp_path / "train-labels-idx1-ubyte").write_bytes(bytes([0, 0, 8, 1]) + struct.pack(">I", n) + bytes(n))
+    cfg = make_config(None, {"dataset": "mnist", "data_root": str(tmp_path)})
+    tracemalloc.start()
+    try:
+        ds = datasets._mnist_like("mnist", cfg)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert ds.x.shape == (n, 1, 28, 28)
+    assert 0.8 * datasets.idx_budget([n, 28, 28]) < peak <= datasets.idx_budget([n, 28, 28]), (
+        peak, datasets.idx_budget([n, 28, 28]))

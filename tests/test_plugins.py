@@ -321,7 +321,7 @@ def flags(values: dict) -> list[str]:
 
 def test_run_checkpoint_resume_and_mlflow_on_ray(tmp_path, ray_session):
     """rayfl.run with plugins=[file] on Ray (its actors find the plugin's algorithm by name), then a resume in a
-    registry that has forgotten it: the run directory's record loads it again."""
+    registry that has forgotten it: the run directory's record names it, and it must be given again."""
     import mlflow
 
     import rayfl
@@ -340,14 +340,16 @@ def test_run_checkpoint_resume_and_mlflow_on_ray(tmp_path, ray_session):
 
     algorithms._registered.clear()  # as a new process: nothing registered
     plugins._loaded.clear()
-    again = rayfl.run(resume=result.run_dir, progress=False)
+    with pytest.raises(rayfl.UserError, match=f"the run used plugin '{path}' \\(algorithm fedeta\\), which is not "
+                                              "loaded; a run directory's plugins are never imported from it"):
+        rayfl.run(resume=result.run_dir, progress=False)
+    again = rayfl.run(resume=result.run_dir, plugins=[path], progress=False)  # given again: it goes on
     assert again.run_id == result.run_id and again.final["test_loss_mean"] == losses[-1]
-    os.rename(path, path + ".moved")
+    moved = os.path.join(os.path.dirname(path), "moved.py")
+    os.rename(path, moved)
     algorithms._registered.clear()
     plugins._loaded.clear()
-    with pytest.raises(rayfl.UserError, match=f"the run used plugin '{path}', which cannot be loaded now "
-                                              r"\(no such file\); give it with --plugin FILE"):
-        rayfl.run(resume=result.run_dir, progress=False)
+    rayfl.run(resume=result.run_dir, plugins=[moved], progress=False)  # its algorithm, from where it is now
 
 
 def test_compare_a_plugin_with_fedavg_on_ray(tmp_path, ray_session):

@@ -243,7 +243,7 @@ BAD_RECORDS = [
     ("rayfl_sweep.json", _set("search", "os.system"), "search='os.system': must be one of grid, random, optuna"),
     ("rayfl_sweep.json", lambda m: m["base"].update(batch_size=-1), "batch_size=-1"),
     ("rayfl_trials.json", None, "no rayfl_trials.json there"),
-    ("rayfl_trials.json", {"trials": {"../../x": {"config": {"lr": 0.1}, "status": "RUNNING"}}}, "trials.../../x"),
+    ("rayfl_trials.json", {"trials": {"../../x": {"config": {"lr": 0.1}, "status": "RUNNING"}}}, "trials.'../../x': not a trial record"),
     ("rayfl_trials.json", {"trials": {"a": {"config": {"lr": 0.1}, "status": "PICKLED"}}}, "trials.a.status"),
     ("rayfl_trials.json", {"trials": {"a": {"config": {"lr": "x"}, "status": "RUNNING"}}}, "trials.a.config: lr="),
 ]

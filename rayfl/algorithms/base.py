@@ -64,7 +64,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from rayfl.user_input import to_kind
+from rayfl.user_input import check_count, to_kind
 
 Message = dict  # driver -> client: {"models": {...handles...}, other small values}
 Upload = dict  # client -> driver: small values, and handles made with client.share
@@ -152,6 +152,10 @@ class Server:
         """Handle of the model to save as the run's final global model, or None."""
         return None
 
+    # keys of state_dict() holding client ids (a list of integers): a checkpoint naming a client the run does not
+    # have is refused before it is loaded (rayfl.resume)
+    client_ids: tuple[str, ...] = ()
+
     def state_dict(self) -> dict:
         """Driver state for checkpoints, as plain arrays: resolve handles with ``self.get`` first."""
         return {}
@@ -231,6 +235,13 @@ class Algorithm:
         return [f.name for f in dataclasses.fields(self.Params)]
 
 
+def _bounded(value: Any, name: str) -> Any:
+    """An integer knob bounded as the config's counts are (:func:`rayfl.user_input.check_count`)."""
+    if type(value) is int:
+        check_count(value, name)
+    return value
+
+
 def _coerce(value: Any, field: dataclasses.Field, algo: str) -> Any:
     """Turn a CLI/YAML value into the field's declared type (the type is read from its default); no
     silent coercion (2.5 for an integer knob, NaN, infinity, a boolean for a number: ValueError)."""
@@ -245,7 +256,7 @@ def _coerce(value: Any, field: dataclasses.Field, algo: str) -> Any:
             if not isinstance(items, (list, tuple)):
                 raise ValueError("must be a list")
             kind = type(default[0]) if default else float
-            return tuple(to_kind(v, kind) for v in items)
-        return to_kind(value, type(default))
+            return tuple(_bounded(to_kind(v, kind), field.name) for v in items)
+        return _bounded(to_kind(value, type(default)), field.name)
     except ValueError as e:
         raise ValueError(f"{field.name}={value!r} for algorithm {algo!r}: {e}") from None

@@ -78,6 +78,17 @@ class Params:
         if isinstance(self.M, bool) or not isinstance(self.M, (int, np.integer)) or self.M < 1:
             raise ValueError(f"M={self.M!r}: the number of components must be an integer >= 1")
 
+    def check_run(self, info, model) -> None:
+        """M components of the network, each held by the server and trained by every client: refused before
+        anything starts when three copies of them (the server's, a client's, its update) exceed the memory."""
+        from rayfl.data.datasets import check_memory
+
+        try:
+            check_memory(f"M={self.M}", 3 * self.M * info.n_params * 4,
+                         f"{self.M:,} components of {info.n_params:,} parameters (three float32 copies)")
+        except Exception as e:  # noqa: BLE001 - UserError: the engine's way of saying it, as a knob's ValueError
+            raise ValueError(str(e)) from None
+
     def check_config(self, cfg) -> None:
         if cfg.dataset == "sine":
             raise ValueError("dataset='sine': FedEM's components are softmax likelihoods; it needs a "

@@ -62,6 +62,8 @@ class FedFomoParams:
     baseline: str = "single"  # single: Eq. 3 against the own baseline | average: Eq. 14's model averages (A.4)
 
     def check(self, n_clients: int) -> None:
+        if n_clients < 2:  # Eq. 3 weighs the models of other clients: with one there is nothing to weigh
+            raise ValueError(f"clients={n_clients}: FedFomo weighs other clients' models; it needs at least 2")
         if not 1 <= self.M <= n_clients:
             raise ValueError(f"M={self.M}: must be between 1 and the number of clients ({n_clients}), own model "
                              f"included")
@@ -221,6 +223,8 @@ class FedFomoServer(Server):
 
     def artifacts(self):
         return {"P": self.P.copy(), "weights": self.W.copy(), "weights_raw": self.W_raw.copy()}
+
+    client_ids = ("upload_ids",)
 
     def state_dict(self):
         cids = sorted(self.uploads)

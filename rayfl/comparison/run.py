@@ -91,6 +91,8 @@ def parse_row(spec: str) -> tuple[str, dict, dict]:
         if not algo or not sep or not key.strip() or key.strip() in ("algo", "seed", "params"):
             raise UserError(f"algos={spec!r}: a row is ALGO or ALGO:KEY=VALUE:... (a knob or a config key)")
         parsed = yaml_value(value.strip(), key.strip())  # a YAML scalar, as -p KEY=VALUE reads one
+        if key.strip() in knobs or key.strip() in config:
+            raise UserError(f"algos={spec!r}: {key.strip()} is given twice in one row; give it once")
         (config if key.strip() in FIELDS else knobs)[key.strip()] = parsed
     return algo, knobs, config
 
@@ -131,14 +133,23 @@ def build_configs(algos: Sequence[str] | None, seeds: Sequence[int], preset: str
         raise UserError("algos: name the algorithms to compare (--algos local,fedavg) or a --preset")
     if len(set(rows)) != len(rows):
         raise UserError(f"algos={','.join(rows)}: a row is named twice")
-    if not seeds or any(isinstance(s, bool) or not isinstance(s, (int, np.integer)) for s in seeds):
+    if not isinstance(seeds, (list, tuple, range)) or not seeds or any(
+            isinstance(s, bool) or not isinstance(s, (int, np.integer)) for s in seeds):
         raise UserError(f"seeds={list(seeds) if not isinstance(seeds, str) else seeds!r}: give one or more "
                         f"distinct integer seeds")
     seeds = [int(s) for s in seeds]
     if len(set(seeds)) != len(seeds):
         raise UserError(f"seeds={seeds}: give one or more distinct seeds")
     params = {**config.pop("params", {}), **(params or {})}
+    from rayfl.user_input import same_value
+
     parsed = {r: parse_row(r) for r in rows}
+    meanings: dict = {}
+    for row, (a, own_knobs, own_config) in parsed.items():  # fedfomo:M=2 and fedfomo:M=2.0 are one row
+        meaning = (a, *(tuple(sorted((k, same_value(v)) for k, v in d.items())) for d in (own_knobs, own_config)))
+        if meaning in meanings:
+            raise UserError(f"algos: rows {meanings[meaning]!r} and {row!r} are the same run; give each once")
+        meanings[meaning] = row
     knobs = {}
     for row, (a, _, _) in parsed.items():
         try:
@@ -270,8 +281,21 @@ def compare(algos: Sequence[str] | None = None, seeds: Sequence[int] = (0, 1, 2)
         check_value(key, value)  # bounded before anything walks or quotes it
     if name is not None and not isinstance(name, str):
         raise UserError(f"name={shown(name)}: must be a string (the MLflow parent run's name)")
+    if name is not None and (not name.strip() or not name.isprintable()):
+        raise UserError(f"name={shown(name)}: must be a non-empty name without control characters (the MLflow "
+                        f"parent run's name)")
     if runtime not in ("ray", "local"):
         raise UserError(f"runtime={runtime!r}: allowed: ray, local")
+    if runtime == "local" and address is not None:
+        raise UserError(f"address={shown(address)}: a local comparison (--local) runs in this process, on no "
+                        f"cluster; give one or the other")
+    if algos is not None and (isinstance(algos, str) or not isinstance(algos, (list, tuple))
+                              or not all(isinstance(a, str) for a in algos)):
+        raise UserError(f"algos={shown(algos)}: must be a list of row names, e.g. ['fedavg', 'fedfomo:M=3']")
+    if params is not None and not (isinstance(params, dict) and all(isinstance(k, str) for k in params)):
+        raise UserError(f"params={shown(params)}: must be a dict of algorithm knobs (name: value)")
+    if not isinstance(seeds, (list, tuple, range)):
+        raise UserError(f"seeds={shown(seeds)}: give one or more distinct integer seeds, e.g. [0, 1, 2]")
     if max_concurrent is not None and (isinstance(max_concurrent, bool) or not isinstance(max_concurrent, int)
                                        or max_concurrent < 1):
         raise UserError(f"max_concurrent={shown(max_concurrent)}: must be an integer >= 1")

@@ -29,6 +29,17 @@ DATASETS = BUILTIN  # the built-in names; dataset_names() adds the registered on
 PATH_KINDS = ("folder", "npz")  # `--dataset folder:PATH`, `--dataset npz:PATH`
 MEMORY_SHARE = 0.5  # a dataset may take at most this share of the memory available when it is loaded
 ABSURD_BYTES = 2**40  # a declared size beyond this is a corrupt header, whatever the machine
+MAX_CLASSES = 100_000  # a model's outputs: one label of 10**9 would otherwise make a 10**9-wide last layer
+# What reading an IDX file costs a value at its peak: the file's bytes as read (a .gz is read in chunks that are
+# joined: 2), the pairs' bytes joined into one array (1), and its float32 copy, scaled in place (4); and, once,
+# the standardization's chunk of CHUNK_ROWS samples in float64 with its square (16 bytes a value of the chunk).
+IDX_BYTES_PER_VALUE = 7
+CHUNK_ROWS = 8192
+
+
+def idx_budget(dims: list[int]) -> int:
+    """The bytes reading an IDX file of shape ``dims`` as images takes at its peak."""
+    return math.prod(dims) * IDX_BYTES_PER_VALUE + min(dims[0], CHUNK_ROWS) * math.prod(dims[1:]) * 16
 
 
 @dataclass
@@ -103,8 +114,9 @@ def _check_spec(spec: DatasetSource) -> None:
     if spec.task not in ("classification", "regression"):
         raise UserError(f"dataset={name!r}: task={spec.task!r}: unknown; allowed: classification, regression")
     if spec.num_classes is not None and (isinstance(spec.num_classes, bool) or not isinstance(spec.num_classes, int)
-                                         or spec.num_classes < 1):
-        raise UserError(f"dataset={name!r}: num_classes={spec.num_classes!r}: must be an integer >= 1")
+                                         or not 1 <= spec.num_classes <= MAX_CLASSES):
+        raise UserError(f"dataset={name!r}: num_classes={spec.num_classes!r}: must be an integer in [1, "
+                        f"{MAX_CLASSES:,}]")
     src = spec.load
     if isinstance(src, (str, os.PathLike)):
         _path_kind(name, os.fspath(src))
@@ -207,8 +219,8 @@ def _standardize(x: np.ndarray) -> np.ndarray:
     axes = (0, 2, 3) if x.ndim == 4 else (0,)
     n = x.size // int(np.prod([x.shape[a] for a in range(x.ndim) if a not in axes]))
     total = sq = 0.0
-    for i in range(0, len(x), 8192):  # float64 sums in chunks: no full-size float64 temporary
-        chunk = x[i:i + 8192].astype(np.float64)
+    for i in range(0, len(x), CHUNK_ROWS):  # float64 sums in chunks: no full-size float64 temporary
+        chunk = x[i:i + CHUNK_ROWS].astype(np.float64)
         total = total + chunk.sum(axis=axes, keepdims=True)
         sq = sq + np.square(chunk).sum(axis=axes, keepdims=True)
     mean = total / n
@@ -307,8 +319,7 @@ def _read_idx(path: str, ndim: int) -> np.ndarray:
             dims = [int.from_bytes(rest[4 * i: 4 + 4 * i], "big") for i in range(ndim)]
             need = math.prod(dims)
             shape = "x".join(map(str, dims))
-            # the bytes, their float32 copy and its standardization: 1 + 4 bytes a value
-            check_memory(path, need * 5, f"its declared {shape} bytes (as float32 too)")
+            check_memory(path, idx_budget(dims), f"its declared {shape} bytes (as float32 too)")
             data = f.read(need + 1)
     except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
         raise UserError(f"{path}: cannot be read as {'gzip' if path.endswith('.gz') else 'a file'} "
@@ -356,6 +367,7 @@ def _mnist_like(name: str, cfg) -> Dataset:
             xs.append(x)
             ys.append(y)
         x, y = np.concatenate(xs), np.concatenate(ys)
+        del xs
     else:
         import torchvision.datasets as tvd
 
@@ -363,7 +375,8 @@ def _mnist_like(name: str, cfg) -> Dataset:
         parts = _torchvision(cls, name, cfg)
         x = np.concatenate([p.data.numpy() for p in parts])
         y = np.concatenate([p.targets.numpy() for p in parts])
-    x = (x.astype(np.float32) / 255.0)[:, None, :, :]
+    x = x.astype(np.float32)[:, None, :, :]
+    x /= 255.0  # in place: no second float32 copy
     return _images(name, x, y, 10, f"{name} in {cfg.data_root}")
 
 
@@ -433,7 +446,7 @@ def from_source(spec: DatasetSource) -> Dataset:
                 arrays = src()
             except UserError:
                 raise
-            except Exception as e:  # the user's code: its failure, in one line
+            except (Exception, SystemExit, KeyboardInterrupt) as e:  # the user's code: its failure (an exit too)
                 raise UserError(f"dataset={name!r}: its loader raised {type(e).__name__}: "
                                 f"{str(e).splitlines()[0] if str(e) else ''}") from None
         if _is_torch_dataset(arrays):
@@ -480,6 +493,8 @@ def _make(spec: DatasetSource, x, y, client) -> Dataset:
         raise UserError(f"dataset={name!r}: x has shape {x.shape}: expected (N, features) or (N, C, H, W){hint}")
     if x.dtype.kind not in "biuf":
         raise UserError(f"dataset={name!r}: x has dtype {x.dtype}; give numbers")
+    if 0 in x.shape[1:]:
+        raise UserError(f"dataset={name!r}: x has shape {x.shape}: a sample holds no features")
     if x.dtype.kind == "f":
         for i in range(0, len(x), 8192):  # in chunks: no full-size boolean temporary
             bad = ~np.isfinite(x[i:i + 8192])
@@ -492,9 +507,12 @@ def _make(spec: DatasetSource, x, y, client) -> Dataset:
         if y.ndim != 1 or y.dtype.kind not in "iu":
             raise UserError(f"dataset={name!r}: labels must be integers >= 0, one per sample; y has dtype {y.dtype}"
                             f" and shape {y.shape}")
-        lo = int(y.min())
+        lo, hi = int(y.min()), int(y.max())
         if lo < 0:
             raise UserError(f"dataset={name!r}: label {lo}: labels must be integers >= 0")
+        if hi >= MAX_CLASSES:
+            raise UserError(f"dataset={name!r}: label {hi}: labels must be below {MAX_CLASSES:,} (a class each; the "
+                            f"model has an output per class)")
         num_classes = spec.num_classes or int(y.max()) + 1
         check_labels(y, num_classes, f"dataset={name!r}")
         y = y.astype(np.int64)
@@ -553,8 +571,14 @@ def _read_folder(name: str, root: str) -> tuple:
 
     classes = sorted(d.name for d in os.scandir(root) if d.is_dir() and not d.name.startswith("."))
     files, labels = [], []
+    top, seen = os.path.realpath(root), set()
     for c, cls in enumerate(classes):
         for folder, dirs, names in os.walk(os.path.join(root, cls), followlinks=True):
+            real = os.path.realpath(folder)  # a linked folder is read once, and never the dataset's own root
+            if real in seen or real == top or top.startswith(real + os.sep):
+                raise UserError(f"dataset={name!r}: {folder} is a link to a folder read already, or to the "
+                                f"dataset's folder or above it (a loop); give each class folder once")
+            seen.add(real)
             dirs.sort()
             for f in sorted(names):
                 if f.lower().endswith(IMAGE_EXTENSIONS):
@@ -569,8 +593,8 @@ def _read_folder(name: str, root: str) -> tuple:
             with Image.open(f) as im:
                 sizes.add(im.size)
                 gray = gray and im.mode in ("1", "L", "I", "I;16", "F")
-        except (OSError, ValueError) as e:
-            raise UserError(f"dataset={name!r}: {f}: not a readable image ({e})") from None
+        except (OSError, ValueError, Image.DecompressionBombError) as e:
+            raise UserError(f"dataset={name!r}: {f}: not a readable image ({str(e).splitlines()[0][:200]})") from None
         if len(sizes) > 1:
             raise UserError(f"dataset={name!r}: {f} is {im.size[0]}x{im.size[1]}, others "
                             f"{'x'.join(map(str, next(iter(sizes - {im.size}))))}; all images must have one size")

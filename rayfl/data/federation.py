@@ -22,6 +22,9 @@ if TYPE_CHECKING:
 
 HOLDOUT_FRAC, HOLDOUT_MAX = 0.1, 1000  # FedMoE's global test set: n = 1000, balanced (Listo Zec et al., 2020, §4)
 REGRESSION_PARTITIONS = ("iid", "latent", "natural")
+# What a client costs the process that runs a federation before any actor starts (its index arrays, split and
+# records): 3.8 KB a client measured with 10**6 clients of 3 samples each (4.7 GB, 0.9 GB of it the process).
+CLIENT_BYTES = 4_000
 
 
 @dataclass
@@ -123,6 +126,10 @@ def _check(cfg: Config, ds: Dataset) -> None:
                             f"allowed: equal")
     if cfg.clients > len(ds.y):
         raise UserError(f"clients={cfg.clients}: more clients than the {len(ds.y)} samples of {ds.name!r}")
+    from rayfl.data.datasets import check_memory
+
+    check_memory(f"clients={cfg.clients}", cfg.clients * CLIENT_BYTES, f"{cfg.clients:,} clients' records in this "
+                 f"process (about {CLIENT_BYTES:,} bytes each)")
 
 
 def _holdout(ds: Dataset, rng: np.random.Generator) -> np.ndarray:

@@ -24,7 +24,7 @@ from rayfl.session import check_address, check_threads_here, check_tracking_stor
 from rayfl.sweep.placement import _bundles_for, _pg_factory, bundle_total
 from rayfl.sweep.progress import _progress_callback
 from rayfl.sweep.search import _search_alg, _search_space, selectable_metrics
-from rayfl.sweep.space import Plan, Space, find_space_file, load_space, plan_sweep, validate_space
+from rayfl.sweep.space import MAX_TRIALS, Plan, Space, find_space_file, load_space, plan_sweep, validate_space
 from rayfl.sweep.trial import run_trial
 
 SEARCHES = ("grid", "random", "optuna")
@@ -273,8 +273,9 @@ def resume_meta(s: SweepSettings) -> dict:
 
 def check_name(name, flag: str = "--name") -> None:
     """A sweep's name is its directory's name under the storage path."""
-    if not isinstance(name, str) or not name.strip() or "/" in name or "\\" in name or name in (".", ".."):
-        raise UserError(f"{flag}={name!r}: must be a directory name (no '/'), e.g. persfl-lam")
+    if not isinstance(name, str) or not name.strip() or "/" in name or "\\" in name or name in (".", "..") \
+            or not name.isprintable():
+        raise UserError(f"{flag}={name!r}: must be a directory name (no '/'), without control characters, e.g. persfl-lam")
 
 
 def check_counts(values: dict, style: str = "flag") -> None:
@@ -285,6 +286,8 @@ def check_counts(values: dict, style: str = "flag") -> None:
             continue
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise UserError(f"{shown}={value!r}: must be an integer >= 1 (leave it out for the default)")
+        if key == "num_samples" and value > MAX_TRIALS:
+            raise UserError(f"{shown}={value}: a sweep runs at most {MAX_TRIALS:,} trials")
 
 
 def _new_sweep(s: SweepSettings) -> dict:
@@ -314,9 +317,12 @@ def _new_sweep(s: SweepSettings) -> dict:
     search = s.search
     num_samples = s.num_samples or (1 if search == "grid" else 10)
     n_trials = n_grid * num_samples if search == "grid" else num_samples
+    if n_trials > MAX_TRIALS:
+        raise UserError(f"--num-samples={num_samples}: {n_grid:,} grid points x {num_samples:,} samples is "
+                        f"{n_trials:,} trials; a sweep runs at most {MAX_TRIALS:,}")
     if search == "optuna":
         _search_alg("optuna", 0, 1, metric, mode)  # fails here, before anything starts, if optuna is missing
-    name = s.name or f"{plan.algo}-sweep-{time.strftime('%Y%m%d-%H%M%S')}"
+    name = s.name if s.name is not None else f"{plan.algo}-sweep-{time.strftime('%Y%m%d-%H%M%S')}"
     check_name(name)
     storage = os.path.abspath(s.storage_path or os.path.join(base_cfg.out_dir, "tune"))
     sweep_dir = os.path.join(storage, name)

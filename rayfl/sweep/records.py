@@ -10,6 +10,7 @@ config under :data:`TRIAL_KEY`, so it finds its checkpoint directory (``trials/<
 from __future__ import annotations
 
 import json
+import re
 import math
 import os
 
@@ -70,7 +71,7 @@ def write_records(sweep_dir: str, trials: dict) -> None:
 def read_records(sweep_dir: str, swept: list[str]) -> dict:
     """The recorded trials, checked: ``{key: {"config", "status", "result"}}``; UserError naming the file and
     the entry when one is not what rayfl writes."""
-    from rayfl.config import UserError
+    from rayfl.config import UserError, shown
 
     path = path_of(sweep_dir)
     if not os.path.isfile(path):
@@ -86,8 +87,9 @@ def read_records(sweep_dir: str, swept: list[str]) -> dict:
         raise UserError(f"{path}: must hold {{\"trials\": {{key: record}}}}")
     for key, rec in trials.items():
         where = f"{path}: trials.{key}"
-        if not key or "/" in key or key in (".", "..") or not isinstance(rec, dict):
-            raise UserError(f"{where}: not a trial record (a key without '/', and a mapping)")
+        if not re.fullmatch(r"[\w.-]{1,200}", key) or key in (".", "..") or not isinstance(rec, dict):
+            where = f"{path}: trials.{shown(key)}"
+            raise UserError(f"{where}: not a trial record (a key of letters, digits, '_', '-' and '.', and a mapping)")
         if rec.get("status") not in STATUSES:
             raise UserError(f"{where}.status={rec.get('status')!r}: allowed: {', '.join(STATUSES)}")
         if not isinstance(rec.get("config"), dict) or set(rec["config"]) != set(swept):

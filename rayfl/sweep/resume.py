@@ -18,6 +18,7 @@ import os
 from typing import Any
 
 from rayfl.config import FIELDS, UserError
+from rayfl.sweep.space import MAX_TRIALS
 
 SWEEP_FILE = "rayfl_sweep.json"
 
@@ -51,8 +52,8 @@ KEYS: dict[str, tuple[Any, str]] = {
     "mode": _choices("max", "min"),
     "search": _choices("grid", "random", "optuna"),
     "scheduler": _choices("fifo", "asha"),
-    "num_samples": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
-    "n_trials": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "num_samples": (lambda v: _is_int(v) and 1 <= v <= MAX_TRIALS, f"an integer in [1, {MAX_TRIALS:,}]"),
+    "n_trials": (lambda v: _is_int(v) and 1 <= v <= MAX_TRIALS, f"an integer in [1, {MAX_TRIALS:,}]"),
     "max_concurrent": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
     "grace_period": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
     "seed": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-from rayfl.config import FIELDS, UserError, load_yaml, make_config
+from rayfl.config import FIELDS, UserError, load_yaml, make_config, shown
+from rayfl.user_input import same_value
 
 SECTIONS = ("fixed", "grid", "random")
 # name -> number of arguments (None: a list of values)
@@ -92,16 +93,25 @@ def load_space(path: str) -> Space:
             raise UserError(f"{path}: grid.{key}: already set in {seen[key]}")
         if not isinstance(values, list) or not values:
             raise UserError(f"{path}: grid.{key}: must be a non-empty list of values, e.g. [0.1, 0.5]")
-        if len(set(map(repr, values))) != len(values):
-            raise UserError(f"{path}: grid.{key}: repeated values in {values}")
+        if len(set(map(same_value, values))) != len(values):
+            raise UserError(f"{path}: grid.{key}: repeated values in {shown(values)} (1 and 1.0 are one value)")
         space.grid[key] = values
         seen[key] = "grid"
+    if space.n_grid() > MAX_TRIALS:  # before any point is built
+        raise UserError(f"{path}: grid: {space.n_grid():,} points; a sweep runs at most {MAX_TRIALS:,} trials")
     for key, spec in (data.get("random") or {}).items():
         if key in seen:
             raise UserError(f"{path}: random.{key}: already set in {seen[key]}")
         space.random[key] = _distribution(path, key, spec)
         seen[key] = "random"
+    if not space.swept():
+        raise UserError(f"{path}: sweeps nothing (no grid: or random: key); a single run is rayfl run")
     return space
+
+
+MAX_TRIALS = 10_000  # trials of one sweep (grid points x samples): Tune builds each before the first runs
+
+
 
 
 def _distribution(path: str, key: str, spec: Any) -> tuple[str, Any]:
