@@ -105,7 +105,7 @@ class ClientHost:
                 else:
                     self.bench.step += 1
                     t0 = time.perf_counter()
-                    with privacy.training_of(self.clients[cid]) if step != "evaluate" else nullcontext():
+                    with privacy.training_of(self.clients[cid], step) if step != "evaluate" else nullcontext():
                         up = method(self.clients[cid], msg, models) or {}
                     up.setdefault("seconds", time.perf_counter() - t0)
                 if step == "evaluate":  # ε so far beside the client's accuracy (sample-level DP)

@@ -36,14 +36,16 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 
 LEVELS = ("sample", "user")
 ACCOUNTANTS = ("rdp", "prv")
 HISTORY = "dp_history"  # client.state key: the accountant's history, [[noise multiplier, sample rate, steps], ...]
+STEPS = "dp_steps"  # client.state key: how many client steps it has run under sample-level DP (a release's key)
 CHUNK_ELEMENTS = 1 << 25  # per-sample gradients held at once (samples x parameters), at most: 128 MB of float32
 
 
@@ -175,35 +177,81 @@ _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("rayfl_private_training
 
 @dataclass
 class Account:
-    """The privacy account of the client whose step is running: its settings and where its history lives."""
+    """The privacy account of the client whose step is running: its settings, where its history lives, and
+    what keys the step's releases (:meth:`generator`)."""
 
     dp: DPSettings
     client: Any
+    step_name: str = ""  # the client step running (train, distill, specialist, ...)
+    step: int = 0  # how many private client steps this client ran before this one
+    label: tuple = ()  # what the caller says is being trained (:func:`release_key`: a model, a grid point)
+    releases: dict = field(default_factory=dict)  # label -> releases under it so far in this step
 
     def spend(self, rate: float, steps: int) -> None:
         spend(self.client.state.setdefault(HISTORY, []), self.dp.noise, rate, steps, self.dp.accountant)
 
+    def generator(self):
+        """A generator of its own for the step's next release (its Poisson batches and its noise), keyed by
+        (seed, client, step name, step, label, how many releases this step made under that label before): no
+        two releases of a client share a batch or a noise draw, and a replayed step redraws its own."""
+        k = self.releases.get(self.label, 0)
+        self.releases[self.label] = k + 1
+        return release_generator(getattr(self.client, "seed", 0), getattr(self.client, "cid", 0), self.step_name,
+                                 self.step, self.label, k)
+
+
+def release_generator(seed: int, cid: int, step_name: str, step: int, label: tuple, k: int):
+    """The torch generator of one private release, from its key alone (a hash of it: labels may hold floats)."""
+    import torch
+
+    key = repr((int(seed), int(cid), str(step_name), int(step), tuple(label), int(k))).encode()
+    value = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+    return torch.Generator().manual_seed(value)
+
 
 @contextlib.contextmanager
-def training_of(client):
-    """While one client step runs: training (``training.train_epochs``) takes the private path and charges this
-    client's account when sample-level DP is on; otherwise nothing changes."""
+def training_of(client, step_name: str = ""):
+    """While one client step (``step_name``) runs: training (``training.train_epochs``) takes the private path
+    and charges this client's account when sample-level DP is on; otherwise nothing changes.
+
+    Each private training call is its own release with its own generator (:meth:`Account.generator`), not the
+    caller's: the accountant composes releases as independent Gaussian mechanisms on independent Poisson
+    samples (Mironov 2017, Prop. 1; Abadi et al. 2016, Sec. 3.1), which two students trained from one generator
+    state (the same batches, the same noise) would not be."""
     dp = client.settings.dp
     if dp is None or dp.level != "sample":
         yield
         return
     from rayfl import training
 
-    account = Account(dp, client)
+    step = int(client.state.get(STEPS, 0))
+    client.state[STEPS] = step + 1
+    account = Account(dp, client, step_name, step)
     token = _ACTIVE.set(account)
     private = training.PRIVATE_TRAINER.set(
         lambda model, x, y, epochs, batch_size, optimizer, loss_fn, gen:
-        train_epochs(model, x, y, epochs, batch_size, optimizer, loss_fn, gen, account))
+        train_epochs(model, x, y, epochs, batch_size, optimizer, loss_fn, account.generator(), account))
     try:
         yield
     finally:
         training.PRIVATE_TRAINER.reset(private)
         _ACTIVE.reset(token)
+
+
+@contextlib.contextmanager
+def release_key(*label):
+    """Releases made inside are keyed by ``label`` as well (a PersFL grid point): the same label in the same
+    client step draws the same batches and noise whether the other labels are trained or not (a grid point
+    run alone equals that point inside the grid). Nothing changes outside a private step."""
+    account = active()
+    if account is None:
+        yield
+        return
+    saved, account.label = account.label, tuple(label)
+    try:
+        yield
+    finally:
+        account.label = saved
 
 
 def active() -> Account | None:
@@ -268,10 +316,9 @@ def clip_and_add(per_sample: list, clip: float, sums: list) -> Any:
     return norms
 
 
-def noisy_gradient(parts: list[tuple], x, y, noise: float, clip: float, expected: float, gen) -> tuple[list, float]:
-    """One DP-SGD gradient on a batch: per-sample gradients of every part's loss, clipped together to C, summed,
-    plus N(0, σ²C²) per coordinate, over the expected batch size. Returns (a gradient per parameter, the batch's
-    summed loss). In chunks of samples, so that a large model or batch keeps CHUNK_ELEMENTS at most."""
+def materialized_sum(parts: list[tuple], x, y, clip: float) -> tuple[list, float]:
+    """Σ_i g_i · min(1, C / (‖g_i‖ + 1e-6)) from the per-sample gradients themselves (``torch.func``), in chunks
+    of samples so that a large model or batch keeps CHUNK_ELEMENTS at most; and the batch's summed loss."""
     import torch
 
     params = [p for _, ps, _ in parts for p in ps]
@@ -283,10 +330,45 @@ def noisy_gradient(parts: list[tuple], x, y, noise: float, clip: float, expected
         grads, losses = per_sample_grads(parts, x[start:start + chunk], y[start:start + chunk])
         clip_and_add(grads, clip, sums)
         loss += float(losses.sum())
-    for total in sums:
-        if noise > 0:
-            total.add_(torch.normal(0.0, noise * clip, total.shape, generator=gen).to(total.device))
-        total.div_(expected)
+    return sums, loss
+
+
+def gaussian_noise(count: int, gen, device) -> Any:
+    """``count`` standard normal draws from ``gen`` (on the CPU, moved to ``device``), one call for a whole
+    gradient: the draws are most of what DP adds to a small model's step."""
+    import torch
+
+    return torch.randn(count, generator=gen).to(device)
+
+
+def noisy_gradient(parts: list[tuple], x, y, noise: float, clip: float, expected: float, gen,
+                   materialize: bool = False) -> tuple[list, float]:
+    """One DP-SGD gradient on a batch: every sample's gradient over every part's parameters clipped to C, summed,
+    plus N(0, σ²C²) per coordinate, over the expected batch size. Returns (a gradient per parameter, the batch's
+    summed loss). The clipped sum comes from per-sample norms without per-sample gradients
+    (:mod:`rayfl.clipping`) where the model's layers allow, else (or with ``materialize``) from the per-sample
+    gradients; the noise is the same draw either way."""
+    import torch
+
+    from rayfl import clipping
+
+    fast = None
+    if x.shape[0] == 0:
+        sums, loss = [torch.zeros_like(p) for _, ps, _ in parts for p in ps], 0.0
+    elif not materialize:
+        fast = clipping.clipped_sum(parts, x, y, clip, 1.0 / expected)  # already over the expected batch size
+    if fast is not None:
+        sums, loss, _ = fast
+    else:
+        if x.shape[0]:
+            sums, loss = materialized_sum(parts, x, y, clip)
+        for total in sums:
+            total.div_(expected)
+    z = gaussian_noise(sum(t.numel() for t in sums), gen, sums[0].device) if noise > 0 and sums else None
+    offset = 0
+    for total in sums if z is not None else ():  # + N(0, σ²C²) per coordinate, over the expected batch size
+        total.add_(z[offset:offset + total.numel()].view_as(total), alpha=noise * clip / expected)
+        offset += total.numel()
     return sums, loss
 
 
