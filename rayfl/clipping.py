@@ -98,7 +98,7 @@ def _linear(m: nn.Linear, a, g) -> dict:
     a, g = a.reshape(B, -1, m.in_features), g.reshape(B, -1, m.out_features)
     out = {"weight": lambda: _matrix_rule(a, g, m.weight.shape)}
     if m.bias is not None:
-        out["bias"] = lambda: _sum_rule(g.sum(1))
+        out["bias"] = lambda: _sum_rule(g.reshape(B, m.out_features) if g.shape[1] == 1 else g.sum(1))
     return out
 
 
@@ -256,7 +256,12 @@ def clipped_sum(parts: list[tuple], x, y, clip: float, scale: float = 1.0) -> tu
                 return None
             units = (trained, found)
             model.__dict__["_rayfl_units"] = units
-        verdict = _CHECKED.get(_architecture(model, trained))
+            model.__dict__.pop("_rayfl_checked", None)  # another set of trained parameters: look it up again
+        verdict = model.__dict__.get("_rayfl_checked")
+        if verdict is None:
+            verdict = _CHECKED.get(_architecture(model, trained))
+            if verdict is not None:
+                model.__dict__["_rayfl_checked"] = verdict
         if verdict is False:
             return None
         if verdict is None:
@@ -338,7 +343,7 @@ def clipped_sum(parts: list[tuple], x, y, clip: float, scale: float = 1.0) -> tu
                 mine = rules[id(p)][1](ones).reshape(p.shape) if id(p) in rules else torch.zeros_like(p)
                 ref = truth[id(p)] if truth[id(p)] is not None else torch.zeros_like(p)
                 ok = ok and torch.allclose(mine, ref, rtol=1e-3, atol=1e-5 * (1 + float(ref.abs().max())))
-            _CHECKED[_architecture(model, trained)] = ok
+            _CHECKED[_architecture(model, trained)] = model.__dict__["_rayfl_checked"] = ok
             if not ok:
                 say_once(f"check:{type(model).__name__}", f"{type(model).__name__}: a parameter's gradient is not "
                          "what its layer's hooks see (used outside its module's call?); its per-sample gradients "
