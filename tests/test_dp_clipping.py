@@ -66,8 +66,8 @@ CASES = {
     "conv (LeNet-5)": (lambda: __import__("rayfl.models", fromlist=["x"]).build_model("lenet5", (1, 28, 28), 10),
                        lambda g: (torch.randn(6, 1, 28, 28, generator=g), torch.randint(0, 10, (6,), generator=g))),
     "conv, strided and dilated": (
-        lambda: nn.Sequential(nn.Conv2d(2, 3, 3, stride=2, dilation=2, padding=1), nn.ReLU(), nn.Flatten(),
-                              nn.Linear(3 * 4 * 4, 2)),
+        lambda: nn.Sequential(nn.Conv2d(2, 3, 3, stride=2, dilation=3, padding=1), nn.ReLU(), nn.Flatten(),
+                              nn.Linear(3 * 3 * 3, 2)),
         lambda g: (torch.randn(5, 2, 9, 9, generator=g), torch.randint(0, 2, (5,), generator=g))),
     "mixed": (lambda: Mixed(scale=False),
               lambda g: (torch.randint(0, 20, (8, 5), generator=g), torch.randint(0, 3, (8,), generator=g))),
