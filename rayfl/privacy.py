@@ -457,12 +457,53 @@ def run_tags(cfg) -> dict[str, str]:
             "rayfl.dp.delta": str(dp.delta), "rayfl.dp.level": dp.level, "rayfl.dp.accountant": dp.accountant}
 
 
+def final_epsilon(cfg, final: dict | None) -> float | None:
+    """The ε a private run reached (the largest over clients), when it is known and finite."""
+    if DPSettings.from_config(cfg) is None:
+        return None
+    eps = (final or {}).get("dp_epsilon_max")
+    return float(eps) if eps is not None and math.isfinite(eps) else None
+
+
+def final_tags(cfg, final: dict | None) -> dict[str, str]:
+    """The tag a private run gets at its end: ``rayfl.dp.epsilon``, the final ε (the largest over clients)."""
+    eps = final_epsilon(cfg, final)
+    return {} if eps is None else {"rayfl.dp.epsilon": f"{eps:.6g}"}
+
+
 def run_name(name: str | None, cfg) -> str | None:
-    """The MLflow run name, marked private (``... · DP-sample σ=1``)."""
+    """The MLflow run name, marked private at its start (``DP σ=1 fedavg-...``), where a narrow column of the
+    runs table still shows it."""
     dp = DPSettings.from_config(cfg)
     if dp is None or name is None:
         return name
-    return f"{name} · DP-{dp.level} {'σ' if dp.level == 'sample' else 'z'}={dp.noise:g}"
+    return f"{mark(dp)} {name}"
+
+
+def mark(dp: DPSettings) -> str:
+    """The short mark of a private run: ``DP σ=1`` (sample level) or ``DP-user z=1``."""
+    return f"DP σ={dp.noise:g}" if dp.level == "sample" else f"DP-user z={dp.noise:g}"
+
+
+def headline(cfg) -> str:
+    """What the run's privacy is, for its first console lines: ``DP-SGD σ=1, C=1, δ=1e-05 (sample level)``;
+    empty for a run without it."""
+    dp = DPSettings.from_config(cfg)
+    if dp is None:
+        return ""
+    accountant = f"{dp.accountant.upper()} accountant"
+    if dp.level == "sample":
+        return f"DP-SGD σ={dp.noise:g}, C={dp.clip:g}, δ={dp.delta:g} (sample level, {accountant})"
+    return f"DP-FedAvg z={dp.noise:g}, S={dp.clip:g}, δ={dp.delta:g} (user level, {accountant})"
+
+
+def plot_title(cfg, final: dict | None) -> str:
+    """What a private run's plot titles add: `` · DP σ=1, ε=3.2`` (empty without DP)."""
+    dp = DPSettings.from_config(cfg)
+    if dp is None:
+        return ""
+    eps = final_epsilon(cfg, final)
+    return f" · {mark(dp)}" + (f", ε={eps:.3g} at δ={dp.delta:g}" if eps is not None else "")
 
 
 def describe(cfg, final: dict | None = None) -> str:
@@ -472,6 +513,6 @@ def describe(cfg, final: dict | None = None) -> str:
         return ""
     what = (f"DP-SGD per sample (σ={dp.noise:g}, C={dp.clip:g})" if dp.level == "sample"
             else f"user-level DP-FedAvg (z={dp.noise:g}, S={dp.clip:g})")
-    eps = (final or {}).get("dp_epsilon_max")
-    reached = f", ε={eps:.3g}" if eps is not None and math.isfinite(eps) else ""
+    eps = final_epsilon(cfg, final)
+    reached = f", ε={eps:.3g}" if eps is not None else ""
     return f"; {what}, {dp.accountant.upper()} accountant{reached} at δ={dp.delta:g}"
