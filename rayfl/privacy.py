@@ -498,12 +498,14 @@ def headline(cfg) -> str:
 
 
 def plot_title(cfg, final: dict | None) -> str:
-    """What a private run's plot titles add: `` · DP σ=1, ε=3.2`` (empty without DP)."""
+    """What a private run's plot titles add: `` · DP σ=1, ε=3.2 at δ=1e-05`` (empty without DP), in no-break
+    spaces, so that a wrapped title keeps it on one line."""
     dp = DPSettings.from_config(cfg)
     if dp is None:
         return ""
     eps = final_epsilon(cfg, final)
-    return f" · {mark(dp)}" + (f", ε={eps:.3g} at δ={dp.delta:g}" if eps is not None else "")
+    text = mark(dp) + (f", ε={eps:.3g} at δ={dp.delta:g}" if eps is not None else "")
+    return " · " + text.replace(" ", "\u00a0")
 
 
 def describe(cfg, final: dict | None = None) -> str:

@@ -71,7 +71,9 @@ def test_run_name_tags_and_plot_title_of_a_private_run():
     assert privacy.run_name("x", tiny(dp_noise=2.0, dp_level="user")) == "DP-user z=2 x"
     assert privacy.final_tags(cfg, {"dp_epsilon_max": 3.14159}) == {"rayfl.dp.epsilon": "3.14159"}
     assert privacy.final_tags(cfg, {"dp_epsilon_max": float("nan")}) == {}
-    assert privacy.plot_title(cfg, {"dp_epsilon_max": 3.14159}) == " · DP σ=1, ε=3.14 at δ=1e-05"
+    title = privacy.plot_title(cfg, {"dp_epsilon_max": 3.14159})
+    assert title.replace("\u00a0", " ") == " · DP σ=1, ε=3.14 at δ=1e-05"
+    assert len(__import__("textwrap").wrap("fedavg on synthetic (5 clients, iid, seed 0)" + title, 70)[-1]) > 20
 
 
 def test_format_round_without_dp_is_unchanged():
