@@ -24,9 +24,10 @@ A layer without a rule here (a custom module owning parameters) has its own per-
 the same two tensors (``torch.func``: a vjp of the layer alone per sample), said once per layer type. A model
 these hooks cannot read (a parameter shared between modules or used outside its module's call, a module
 called twice in a forward pass, a fallback layer with several inputs or outputs) returns None: the caller
-takes the materialized path. Every model is checked once, on its first batch, against autograd's summed
-gradient, so a parameter used where no hook sees it sends it to the materialized path rather than
-under-counting a norm.
+takes the materialized path. Every architecture is checked once, on its first batch, against autograd's summed
+gradient and the per-sample norms of the materialized path, so a parameter used where no hook sees it, or a
+layer that holds the samples elsewhere than in its first dimension, sends it to the materialized path rather
+than under-counting a norm.
 """
 
 from __future__ import annotations
@@ -240,10 +241,14 @@ def units_of(model: nn.Module, trained: set[int]) -> list[_Unit] | str:
     return units
 
 
-def clipped_sum(parts: list[tuple], x, y, clip: float, scale: float = 1.0) -> tuple[list, float, torch.Tensor] | None:
+def clipped_sum(parts: list[tuple], x, y, clip: float, scale: float = 1.0, reference: Callable | None = None,
+                ) -> tuple[list, float, torch.Tensor] | None:
     """Σ_i c_i ∇ℓ_i for every parameter of ``parts`` ([(model, params, loss_fn), ...], their losses summed per
     sample, every sample's gradient over all of them clipped together to C; times ``scale``), the summed loss and
-    the per-sample norms; None where a model's layers cannot be read this way (the caller materializes)."""
+    the per-sample norms; None where a model's layers cannot be read this way (the caller materializes).
+    ``reference(parts, x, y)``: the per-sample norms from the per-sample gradients, which the first batch of an
+    architecture is checked against too (a layer that mixes samples, or holds them elsewhere than in its first
+    dimension, would keep the summed gradient right and the norms wrong)."""
     trained = {id(p) for _, params, _ in parts for p in params}
     all_units, hooks, capturing, check = [], [], [True], []
     for model, _, _ in parts:
@@ -301,10 +306,13 @@ def clipped_sum(parts: list[tuple], x, y, clip: float, scale: float = 1.0) -> tu
     if modified:  # an in-place op (ReLU(inplace=True)) changed a layer's output: hand on copies, run again
         for u in modified:
             u.protect = True
-        return clipped_sum(parts, x, y, clip, scale)
+        return clipped_sum(parts, x, y, clip, scale, reference)
     for u in fired:
-        if u.calls > 1 or u.output is None or u.input is None or not u.output.requires_grad:
-            why = "is called more than once in a forward pass" if u.calls > 1 else "has several inputs or outputs"
+        if u.calls > 1 or u.output is None or u.input is None or not u.output.requires_grad \
+                or u.input.shape[0] != x.shape[0] or u.output.shape[0] != x.shape[0]:
+            why = ("is called more than once in a forward pass" if u.calls > 1 else
+                   "has several inputs or outputs" if u.output is None or u.input is None else
+                   "does not hold the samples in its first dimension")
             say_once(f"unit:{type(u.module).__name__}:{why}", f"layer {u.name!r} ({type(u.module).__name__}) {why}; "
                      "the model's per-sample gradients are materialized")
             return None
@@ -335,6 +343,12 @@ def clipped_sum(parts: list[tuple], x, y, clip: float, scale: float = 1.0) -> tu
     if check:  # once per architecture: the rules' unclipped sum is autograd's summed gradient
         ones = torch.ones(B, dtype=norms.dtype, device=norms.device)
         truth = dict(zip(map(id, check_params), rest[len(unfired):]))
+        expected = None
+        if reference is not None:
+            try:
+                expected = reference(parts, x, y).double().to(norms.device)
+            except Exception:  # noqa: BLE001 - a model torch.func cannot run: the summed gradient's check alone
+                expected = None
         for model in check:
             ok = True
             for p in _trained_in(model, trained):
@@ -343,11 +357,13 @@ def clipped_sum(parts: list[tuple], x, y, clip: float, scale: float = 1.0) -> tu
                 mine = rules[id(p)][1](ones).reshape(p.shape) if id(p) in rules else torch.zeros_like(p)
                 ref = truth[id(p)] if truth[id(p)] is not None else torch.zeros_like(p)
                 ok = ok and torch.allclose(mine, ref, rtol=1e-3, atol=1e-5 * (1 + float(ref.abs().max())))
+            if ok and expected is not None:
+                ok = bool(torch.allclose(norms.double(), expected, rtol=1e-3, atol=1e-6))
             _CHECKED[_architecture(model, trained)] = model.__dict__["_rayfl_checked"] = ok
             if not ok:
-                say_once(f"check:{type(model).__name__}", f"{type(model).__name__}: a parameter's gradient is not "
-                         "what its layer's hooks see (used outside its module's call?); its per-sample gradients "
-                         "are materialized")
+                say_once(f"check:{type(model).__name__}", f"{type(model).__name__}: its summed gradient or its "
+                         "per-sample norms are not what its layers' hooks see (a parameter used outside its module's "
+                         "call, samples not in a layer's first dimension?); its per-sample gradients are materialized")
                 return None
     factor = (clip / (norms + 1e-6)).clamp(max=1.0)
     if scale != 1.0:

@@ -339,21 +339,22 @@ def clip_and_add(per_sample: list, clip: float, sums: list) -> Any:
     return norms
 
 
-def materialized_sum(parts: list[tuple], x, y, clip: float) -> tuple[list, float]:
+def materialized_sum(parts: list[tuple], x, y, clip: float) -> tuple[list, float, Any]:
     """Σ_i g_i · min(1, C / (‖g_i‖ + 1e-6)) from the per-sample gradients themselves (``torch.func``), in chunks
-    of samples so that a large model or batch keeps CHUNK_ELEMENTS at most; and the batch's summed loss."""
+    of samples so that a large model or batch keeps CHUNK_ELEMENTS at most; the batch's summed loss and the
+    per-sample norms."""
     import torch
 
     params = [p for _, ps, _ in parts for p in ps]
     sums = [torch.zeros_like(p) for p in params]
     size = sum(p.numel() for p in params)
     chunk = max(1, CHUNK_ELEMENTS // max(size, 1))
-    loss = 0.0
+    loss, norms = 0.0, []
     for start in range(0, x.shape[0], chunk):
         grads, losses = per_sample_grads(parts, x[start:start + chunk], y[start:start + chunk])
-        clip_and_add(grads, clip, sums)
+        norms.append(clip_and_add(grads, clip, sums))
         loss += float(losses.sum())
-    return sums, loss
+    return sums, loss, torch.cat(norms) if norms else torch.zeros(0)
 
 
 def gaussian_noise(count: int, gen, device) -> Any:
@@ -379,12 +380,13 @@ def noisy_gradient(parts: list[tuple], x, y, noise: float, clip: float, expected
     if x.shape[0] == 0:
         sums, loss = [torch.zeros_like(p) for _, ps, _ in parts for p in ps], 0.0
     elif not materialize:
-        fast = clipping.clipped_sum(parts, x, y, clip, 1.0 / expected)  # already over the expected batch size
+        fast = clipping.clipped_sum(parts, x, y, clip, 1.0 / expected,  # already over the expected batch size
+                                    reference=lambda *batch: materialized_sum(*batch, clip)[2])
     if fast is not None:
         sums, loss, _ = fast
     else:
         if x.shape[0]:
-            sums, loss = materialized_sum(parts, x, y, clip)
+            sums, loss, _ = materialized_sum(parts, x, y, clip)
         for total in sums:
             total.div_(expected)
     z = gaussian_noise(sum(t.numel() for t in sums), gen, sums[0].device) if noise > 0 and sums else None

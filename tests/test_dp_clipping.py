@@ -160,6 +160,34 @@ def test_a_parameter_used_outside_its_module_goes_to_the_materialized_path():
     np.testing.assert_allclose(got[0].double().numpy(), want[0].numpy(), rtol=1e-4, atol=1e-7)
 
 
+class TimeFirst(nn.Module):
+    """A Linear applied to [T, B, d]: its hooks see T, not the samples, in the first dimension."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.fc(x.transpose(0, 1)).sum(0)
+
+
+def test_a_layer_holding_samples_elsewhere_than_first_goes_to_the_materialized_path():
+    """Its summed gradient is right either way; its per-sample norms are not: the first batch's check against
+    the materialized norms catches it."""
+    torch.manual_seed(0)
+    model = TimeFirst()
+    parts = [(model, list(model.parameters()), F.cross_entropy)]
+    assert clipping.clipped_sum(parts, torch.randn(6, 5, 4), torch.randint(0, 3, (6,)), 0.1) is None  # 5 != 6
+    x, y = torch.randn(6, 6, 4), torch.randint(0, 3, (6,))  # as many steps as samples: only the norms tell
+    assert clipping.clipped_sum(parts, x, y, 0.1) is not None  # without the reference the hooks are believed
+    clipping._CHECKED.clear()
+    model.__dict__.pop("_rayfl_checked", None)
+    got, _ = privacy.noisy_gradient(parts, x, y, 0.0, 0.1, 1.0, None)  # checked against the materialized norms
+    assert model.__dict__["_rayfl_checked"] is False
+    _, want = reference(model, list(model.parameters()), F.cross_entropy, x, y, 0.1)
+    np.testing.assert_allclose(got[0].double().numpy(), want[0].numpy(), rtol=1e-4, atol=1e-7)
+
+
 def test_a_loss_of_its_own_is_differentiated_per_sample_like_the_materialized_path():
     """A loss that is not cross-entropy (a sum, not a mean) is evaluated per sample as a batch of one."""
     torch.manual_seed(0)
