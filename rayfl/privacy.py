@@ -4,13 +4,16 @@ algorithms that average, and accounting that composes over everything a client e
 Sample level (``dp_level=sample``; Abadi et al. 2016, Algorithm 1). Inside a client step of an algorithm whose
 ClientLogic declares ``private_training = True``, :func:`rayfl.training.train_epochs` takes the private path
 (:func:`train_epochs` here): batches are Poisson samples of the training split (each sample in with probability
-q = batch_size / n, drawn from the training generator, which the client's snapshots hold), every sample's
-gradient over all trained parameters is clipped to norm C (``dp_clip``), Gaussian noise of standard deviation
-σ·C (``dp_noise`` = σ) is added to their sum, which is divided by the expected batch size q·n (Opacus's
-DPOptimizer with Poisson sampling and mean reduction; the same clip factor C / (‖g‖ + 1e-6) capped at 1).
-Per-sample gradients come from ``torch.func`` (``vmap(grad(...))`` over a ``functional_call`` of the model), so
-flat models (:func:`rayfl.training.flatten`) and any optimizer (FlatSGD, torch's, momentum, Adam) train on the
-privatized gradient unchanged. Each client keeps one accountant over every private step it has taken, in any
+q = batch_size / n), every sample's gradient over all trained parameters is clipped to norm C (``dp_clip``),
+Gaussian noise of standard deviation σ·C (``dp_noise`` = σ) is added to their sum, which is divided by the
+expected batch size q·n (Opacus's DPOptimizer with Poisson sampling and mean reduction; the same clip factor
+C / (‖g‖ + 1e-6) capped at 1). Each private training call is a release of its own: its batches and noise come
+from a generator keyed by (seed, client, client step, label, count) (:meth:`Account.generator`), never from
+the caller's, so that the releases the accountant composes are independent. The clipped sum comes from
+per-sample norms computed from each layer's input and output gradient (:mod:`rayfl.clipping`), or, where a
+model's layers do not allow it, from per-sample gradients formed by ``torch.func`` (``vmap(grad(...))`` over a
+``functional_call`` of the model); flat models (:func:`rayfl.training.flatten`) and any optimizer (FlatSGD,
+torch's, momentum, Adam) train on the privatized gradient unchanged. Each client keeps one accountant over every private step it has taken, in any
 stage and round: Opacus's history of (noise multiplier, sample rate, steps) as plain data in
 ``client.state["dp_history"]``, so it is in every snapshot and checkpoint and a replayed client or a resumed run
 reports the same ε. ε at δ (``dp_delta``) is read from Opacus's RDP accountant (``dp_accountant=rdp``, Mironov
