@@ -99,7 +99,7 @@ def epoch_seconds(workload, data_root, args) -> dict[str, float]:
         client = type("Client", (), {"state": {}})()
         noisy = privacy.noisy_gradient
         if materialize:  # the per-sample gradients themselves (torch.func), as before the norms' rules
-            privacy.noisy_gradient = lambda *a: noisy(*a, materialize=True)
+            privacy.noisy_gradient = lambda *a, **k: noisy(*a, **k, materialize=True)
         try:
             privacy.train_epochs(model, x, y, 1, batch, training.FlatSGD(model, p.cfg.lr), loss_fn, gen,
                                  Account(dp, client))

@@ -70,7 +70,7 @@ def _gram_norm2(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 
 def _matrix_rule(a: torch.Tensor, g: torch.Tensor, shape: torch.Size) -> tuple[torch.Tensor, Callable]:
     """Weight of a layer whose per-sample gradient is g_iᵀ a_i (a: [B, T, p], g: [B, T, q]): its per-sample norms²
-    and a function of the clip factors giving Σ_i c_i g_iᵀ a_i in the weight's shape."""
+    and a function of the clip factors writing Σ_i c_i g_iᵀ a_i into a tensor of the weight's shape."""
     B, T, p = a.shape
     q = g.shape[2]
     if T == 1:
@@ -80,10 +80,10 @@ def _matrix_rule(a: torch.Tensor, g: torch.Tensor, shape: torch.Size) -> tuple[t
     else:  # the Gram matrices would cost more than the layer's per-sample gradients: form those (Bu et al. 2022)
         per = torch.bmm(g.transpose(1, 2), a)  # [B, q, p]
         norm2 = per.pow(2).sum((1, 2))
-        return norm2, lambda c: torch.mv(per.reshape(B, -1).t(), c).reshape(shape)
+        return norm2, lambda c, out: torch.mv(per.reshape(B, -1).t(), c, out=out.view(-1))
 
-    def clipped(c: torch.Tensor) -> torch.Tensor:
-        return (g * c.view(B, 1, 1)).reshape(B * T, q).t().mm(a.reshape(B * T, p)).reshape(shape)
+    def clipped(c: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return torch.mm((g * c.view(B, 1, 1)).reshape(B * T, q).t(), a.reshape(B * T, p), out=out.view(q, p))
 
     return norm2, clipped
 
@@ -91,7 +91,7 @@ def _matrix_rule(a: torch.Tensor, g: torch.Tensor, shape: torch.Size) -> tuple[t
 def _sum_rule(per: torch.Tensor) -> tuple[torch.Tensor, Callable]:
     """A parameter whose per-sample gradients ``per`` ([B, *shape]) are parameter-sized sums: norms² and sum."""
     flat = per.reshape(per.shape[0], -1)
-    return flat.pow(2).sum(1), lambda c: torch.mv(flat.t(), c).reshape(per.shape[1:])
+    return flat.pow(2).sum(1), lambda c, out: torch.mv(flat.t(), c, out=out.view(-1))
 
 
 def _linear(m: nn.Linear, a, g) -> dict:
@@ -148,9 +148,8 @@ def _embedding(m: nn.Embedding, a, g) -> dict:
         same = (ids.unsqueeze(2) == ids.unsqueeze(1)).to(g.dtype)  # one-hot Gram: [a_t = a_t']
         norm2 = (same * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
 
-        def clipped(c):
-            total = torch.zeros_like(m.weight)
-            return total.index_add_(0, ids.reshape(-1), (g * c.view(B, 1, 1)).reshape(-1, m.embedding_dim))
+        def clipped(c, out):
+            return out.zero_().index_add_(0, ids.reshape(-1), (g * c.view(B, 1, 1)).reshape(-1, m.embedding_dim))
 
         return norm2, clipped
 
@@ -242,13 +241,14 @@ def units_of(model: nn.Module, trained: set[int]) -> list[_Unit] | str:
 
 
 def clipped_sum(parts: list[tuple], x, y, clip: float, scale: float = 1.0, reference: Callable | None = None,
-                ) -> tuple[list, float, torch.Tensor] | None:
+                out: list | None = None) -> tuple[list, float, torch.Tensor] | None:
     """Σ_i c_i ∇ℓ_i for every parameter of ``parts`` ([(model, params, loss_fn), ...], their losses summed per
     sample, every sample's gradient over all of them clipped together to C; times ``scale``), the summed loss and
     the per-sample norms; None where a model's layers cannot be read this way (the caller materializes).
     ``reference(parts, x, y)``: the per-sample norms from the per-sample gradients, which the first batch of an
     architecture is checked against too (a layer that mixes samples, or holds them elsewhere than in its first
-    dimension, would keep the summed gradient right and the norms wrong)."""
+    dimension, would keep the summed gradient right and the norms wrong). ``out``: a tensor per parameter to
+    write the sums into (its gradient buffers: a fresh 600 kB tensor a step costs page faults)."""
     trained = {id(p) for _, params, _ in parts for p in params}
     all_units, hooks, capturing, check = [], [], [True], []
     for model, _, _ in parts:
@@ -306,7 +306,7 @@ def clipped_sum(parts: list[tuple], x, y, clip: float, scale: float = 1.0, refer
     if modified:  # an in-place op (ReLU(inplace=True)) changed a layer's output: hand on copies, run again
         for u in modified:
             u.protect = True
-        return clipped_sum(parts, x, y, clip, scale, reference)
+        return clipped_sum(parts, x, y, clip, scale, reference, out)
     for u in fired:
         if u.calls > 1 or u.output is None or u.input is None or not u.output.requires_grad \
                 or u.input.shape[0] != x.shape[0] or u.output.shape[0] != x.shape[0]:
@@ -354,7 +354,9 @@ def clipped_sum(parts: list[tuple], x, y, clip: float, scale: float = 1.0, refer
             for p in _trained_in(model, trained):
                 if id(p) not in truth:
                     continue  # unfired, and its gradient is zero (checked above)
-                mine = rules[id(p)][1](ones).reshape(p.shape) if id(p) in rules else torch.zeros_like(p)
+                mine = torch.zeros_like(p)
+                if id(p) in rules:
+                    rules[id(p)][1](ones, mine)
                 ref = truth[id(p)] if truth[id(p)] is not None else torch.zeros_like(p)
                 ok = ok and torch.allclose(mine, ref, rtol=1e-3, atol=1e-5 * (1 + float(ref.abs().max())))
             if ok and expected is not None:
@@ -368,7 +370,10 @@ def clipped_sum(parts: list[tuple], x, y, clip: float, scale: float = 1.0, refer
     factor = (clip / (norms + 1e-6)).clamp(max=1.0)
     if scale != 1.0:
         factor = factor * scale
-    sums = [rules[id(p)][1](factor).reshape(p.shape) if id(p) in rules else torch.zeros_like(p) for p in params]
+    out = out if out is not None else [torch.empty_like(p) for p in params]
+    for p, o in zip(params, out):  # each rule writes into its parameter's tensor (a view of it: not returned)
+        rules[id(p)][1](factor, o) if id(p) in rules else o.zero_()
+    sums = list(out)
     return sums, loss, norms
 
 

@@ -360,38 +360,50 @@ def materialized_sum(parts: list[tuple], x, y, clip: float) -> tuple[list, float
     return sums, loss, torch.cat(norms) if norms else torch.zeros(0)
 
 
+_NOISE: dict = {}  # count -> the CPU buffer the last draws of that many went into
+
+
 def gaussian_noise(count: int, gen, device) -> Any:
     """``count`` standard normal draws from ``gen`` (on the CPU, moved to ``device``), one call for a whole
-    gradient: the draws are most of what DP adds to a small model's step."""
+    gradient, into a buffer kept for the next step (a fresh 600 kB tensor a step costs page faults): the draws
+    are most of what DP adds to a small model's step. Valid until the next call for as many draws."""
     import torch
 
-    return torch.randn(count, generator=gen).to(device)
+    buf = _NOISE.get(count)
+    if buf is None:
+        _NOISE.clear()  # one size at a time (a run's model); a new size replaces it
+        buf = _NOISE[count] = torch.empty(count)
+    return buf.normal_(generator=gen).to(device)
 
 
 def noisy_gradient(parts: list[tuple], x, y, noise: float, clip: float, expected: float, gen,
-                   materialize: bool = False) -> tuple[list, float]:
+                   materialize: bool = False, out: list | None = None) -> tuple[list, float]:
     """One DP-SGD gradient on a batch: every sample's gradient over every part's parameters clipped to C, summed,
     plus N(0, σ²C²) per coordinate, over the expected batch size. Returns (a gradient per parameter, the batch's
     summed loss). The clipped sum comes from per-sample norms without per-sample gradients
     (:mod:`rayfl.clipping`) where the model's layers allow, else (or with ``materialize``) from the per-sample
-    gradients; the noise is the same draw either way."""
+    gradients; the noise is the same draw either way. ``out``: a tensor per parameter to write the gradient into
+    (returned), else new ones."""
     import torch
 
     from rayfl import clipping
 
     fast = None
-    if x.shape[0] == 0:
-        sums, loss = [torch.zeros_like(p) for _, ps, _ in parts for p in ps], 0.0
-    elif not materialize:
+    if x.shape[0] and not materialize:
         fast = clipping.clipped_sum(parts, x, y, clip, 1.0 / expected,  # already over the expected batch size
-                                    reference=lambda *batch: materialized_sum(*batch, clip)[2])
+                                    reference=lambda *batch: materialized_sum(*batch, clip)[2], out=out)
     if fast is not None:
         sums, loss, _ = fast
     else:
+        sums, loss = [torch.zeros_like(p) for _, ps, _ in parts for p in ps], 0.0
         if x.shape[0]:
             sums, loss, _ = materialized_sum(parts, x, y, clip)
         for total in sums:
             total.div_(expected)
+        if out is not None:
+            for o, total in zip(out, sums):
+                o.copy_(total)
+            sums = list(out)
     z = gaussian_noise(sum(t.numel() for t in sums), gen, sums[0].device) if noise > 0 and sums else None
     offset = 0
     for total in sums if z is not None else ():  # + N(0, σ²C²) per coordinate, over the expected batch size
@@ -405,7 +417,7 @@ def set_grads(params: list, grads: list) -> None:
     for p, g in zip(params, grads):
         if p.grad is None:
             p.grad = g
-        else:
+        elif p.grad is not g:
             p.grad.copy_(g)
 
 
@@ -414,6 +426,8 @@ def train_epochs(model, x, y, epochs: int, batch_size: int, optimizer, loss_fn: 
     """DP-SGD over (x, y): ``rayfl.training.train_epochs`` when the running step's training must be private.
     Steps per epoch as plain training takes; the account is charged (σ, q) for each. Returns the mean loss per
     sample seen in the last epoch."""
+    import torch
+
     from rayfl import training
 
     layer = unsupported_layer(model)
@@ -424,13 +438,14 @@ def train_epochs(model, x, y, epochs: int, batch_size: int, optimizer, loss_fn: 
     rate, steps = batch_plan(n, batch_size)
     params = trained_params(model, optimizer)
     parts = [(model, params, loss_fn)]
+    # every step writes the whole gradient into the same tensors (FlatSGD's flat buffer through its views)
+    grads = [p.grad if p.grad is not None and p.grad.shape == p.shape else torch.zeros_like(p) for p in params]
     loss, seen = float("nan"), 0
     for _ in range(epochs):
         loss, seen = 0.0, 0
         for _ in range(steps):
             idx = poisson_batch(n, rate, gen, x.device)
-            optimizer.zero_grad(set_to_none=True)
-            grads, batch_loss = noisy_gradient(parts, x[idx], y[idx], dp.noise, dp.clip, rate * n, gen)
+            grads, batch_loss = noisy_gradient(parts, x[idx], y[idx], dp.noise, dp.clip, rate * n, gen, out=grads)
             set_grads(params, grads)
             optimizer.step()
             loss, seen = loss + batch_loss, seen + int(idx.numel())

@@ -215,7 +215,7 @@ def test_flat_models_and_every_optimizer_train_on_the_fast_path(optimizer):
         opt = (training.FlatSGD(model, 0.1) if optimizer == "flat_sgd" else
                training.make_optimizer(model.parameters(), "adam" if optimizer == "adam" else "sgd", 0.05, 0.9))
         noisy = privacy.noisy_gradient
-        privacy.noisy_gradient = lambda *a, m=materialize: noisy(*a, materialize=m)
+        privacy.noisy_gradient = lambda *a, m=materialize, **k: noisy(*a, **k, materialize=m)
         try:
             privacy.train_epochs(model, x, y, 2, 16, opt, F.cross_entropy, torch.Generator().manual_seed(5),
                                  privacy.Account(privacy.DPSettings(0.7, 1.0, 1e-5), SimpleNamespace(state={})))
