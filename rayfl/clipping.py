@@ -33,7 +33,7 @@ than under-counting a norm.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
