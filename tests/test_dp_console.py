@@ -16,7 +16,7 @@ from rayfl.runtime import LocalRuntime
 
 
 def console_of(cfg) -> tuple[str, Loop]:
-    """A whole in-process run's console lines, as ``rayfl run`` prints them."""
+    """The console lines of a whole in-process run: its plan, then its round records as round events."""
     out = io.StringIO()
     console = ConsoleProgress(out, tty=False)
     p = prepare(cfg)
