@@ -6,14 +6,17 @@ local epoch, every client every round; ``cnn10`` is LeNet-5 (61,706 parameters) 
 (159,010), 10 clients x 1000 samples each.
 
 1. Rounds: the same FedAvg run through rayfl's public path, plain and with ``dp_noise`` > 0 (sample-level DP-SGD:
-   Poisson batches, per-sample gradients from ``torch.func``, clipping, noise, the accountant), on Ray with the
+   Poisson batches, per-sample norms from each layer's input and output gradient (``rayfl.clipping``), clipping,
+   noise, the accountant), on Ray with the
    default placement (``--runtime local``: in this process). Steady seconds per round: the median of rounds
    2..end, then the median over repetitions; MLflow off unless ``--mlflow`` (its cost is not DP's).
 2. One client's local epoch on client 0's training split: rayfl's plain training (``training.train_epochs``,
-   FlatSGD), rayfl's private path (``privacy.train_epochs``), and Opacus 1.6 alone (``PrivacyEngine.make_private``
-   on the unflattened model with torch's SGD, its hook-based per-sample gradients and DPOptimizer) fed the very
-   Poisson batches rayfl draws (a batch sampler over the same indices), the same σ, C and number of steps.
-   Median seconds per epoch over ``--epochs`` epochs, after one warm-up epoch each.
+   FlatSGD), rayfl's private path (``privacy.train_epochs``), the same with the per-sample gradients materialized
+   (``torch.func``, ``noisy_gradient(materialize=True)``), and Opacus 1.6 alone (``PrivacyEngine.make_private``
+   on the unflattened model with torch's SGD and DPOptimizer), once with its hook-based per-sample gradients and
+   once with its fast gradient clipping (``grad_sample_mode="ghost"``: ghost norms and a second backward pass),
+   fed the very Poisson batches rayfl draws (a batch sampler over the same indices), the same σ, C and number of
+   steps. Median seconds per epoch over ``--epochs`` epochs, interleaved, after one warm-up epoch each.
 
     .venv/bin/python benchmarks/bench_dp.py                                   # both workloads, 3 repetitions
     .venv/bin/python benchmarks/bench_dp.py --workloads mlp10 --rounds 2 --reps 1 --samples 50 --runtime local
@@ -91,13 +94,22 @@ def epoch_seconds(workload, data_root, args) -> dict[str, float]:
         model = flat_model()
         training.train_epochs(model, x, y, 1, batch, training.FlatSGD(model, p.cfg.lr), loss_fn, gen)
 
-    def private(gen):
+    def private(gen, materialize=False):
         model = flat_model()
         client = type("Client", (), {"state": {}})()
-        privacy.train_epochs(model, x, y, 1, batch, training.FlatSGD(model, p.cfg.lr), loss_fn, gen,
-                             Account(dp, client))
+        noisy = privacy.noisy_gradient
+        if materialize:  # the per-sample gradients themselves (torch.func), as before the norms' rules
+            privacy.noisy_gradient = lambda *a, **k: noisy(*a, **k, materialize=True)
+        try:
+            privacy.train_epochs(model, x, y, 1, batch, training.FlatSGD(model, p.cfg.lr), loss_fn, gen,
+                                 Account(dp, client))
+        finally:
+            privacy.noisy_gradient = noisy
 
-    def opacus(gen):
+    def materialized(gen):
+        private(gen, materialize=True)
+
+    def opacus(gen, mode="hooks"):
         import warnings
 
         from opacus import PrivacyEngine
@@ -111,24 +123,36 @@ def epoch_seconds(workload, data_root, args) -> dict[str, float]:
         model = training.load_vector(p.model_spec.build(), p.initial)
         with warnings.catch_warnings():  # Opacus's notices about secure RNG and backward hooks
             warnings.simplefilter("ignore")
-            model, opt, loader = PrivacyEngine().make_private(
+            made = PrivacyEngine().make_private(
                 module=model, optimizer=torch.optim.SGD(model.parameters(), lr=p.cfg.lr), data_loader=loader,
-                noise_multiplier=args.sigma, max_grad_norm=args.clip, poisson_sampling=False)
+                noise_multiplier=args.sigma, max_grad_norm=args.clip, poisson_sampling=False, grad_sample_mode=mode,
+                criterion=nn.CrossEntropyLoss())
+            if mode == "ghost":  # fast gradient clipping: its criterion runs the two backward passes
+                model, opt, criterion, loader = made
+            else:
+                (model, opt, loader), criterion = made, nn.CrossEntropyLoss()
             model.train()
             for xb, yb in loader:
                 opt.zero_grad()
-                loss_fn(model(xb), yb).backward()
+                criterion(model(xb), yb).backward()
                 opt.step()
 
+    def opacus_ghost(gen):
+        opacus(gen, "ghost")
+
     out = {}
-    for name, fn in (("plain", plain), ("rayfl_dp", private), ("opacus", opacus)):
+    engines = (("plain", plain), ("rayfl_dp", private), ("rayfl_materialized", materialized),
+               ("opacus", opacus), ("opacus_ghost", opacus_ghost))
+    times = {name: [] for name, _ in engines}
+    for _, fn in engines:
         fn(torch.Generator().manual_seed(0))  # warm-up: lazy imports and first-use work
-        times = []
-        for e in range(args.epochs):
+    for e in range(args.epochs):  # interleaved: a busy machine's slow spell falls on every engine alike
+        for name, fn in engines:
             t0 = time.perf_counter()
             fn(torch.Generator().manual_seed(e + 1))
-            times.append(time.perf_counter() - t0)
-        out[name] = statistics.median(times)
+            times[name].append(time.perf_counter() - t0)
+    for name, _ in engines:
+        out[name] = statistics.median(times[name])
         print(f"  {workload} one client, {name}: {out[name]:.4f} s/epoch ({steps} steps)", flush=True)
     return out
 
@@ -156,11 +180,12 @@ def main() -> None:
             rows.append((workload, plain, private, epoch))
     print(f"\nsigma={args.sigma}, C={args.clip}, runtime {args.runtime}, {args.rounds} rounds x {args.reps} reps")
     print("| workload | plain round (s) | DP round (s) | DP / plain | one client: plain epoch (s) | rayfl DP epoch (s) "
-          "| Opacus epoch (s) | rayfl DP / Opacus |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| rayfl materialized (s) | Opacus hooks (s) | Opacus ghost (s) | DP / plain epoch | rayfl DP / Opacus ghost |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for workload, plain, private, e in rows:
         print(f"| {workload} | {plain:.4f} | {private:.4f} | {private / plain:.2f} | {e['plain']:.4f} | "
-              f"{e['rayfl_dp']:.4f} | {e['opacus']:.4f} | {e['rayfl_dp'] / e['opacus']:.2f} |")
+              f"{e['rayfl_dp']:.4f} | {e['rayfl_materialized']:.4f} | {e['opacus']:.4f} | {e['opacus_ghost']:.4f} | "
+              f"{e['rayfl_dp'] / e['plain']:.2f} | {e['rayfl_dp'] / e['opacus_ghost']:.2f} |")
 
 
 if __name__ == "__main__":

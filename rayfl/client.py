@@ -131,6 +131,7 @@ class Client:
         self._weights: torch.Tensor | None = None  # personal weights, flat; None: still the initial model
         self._buffers: torch.Tensor | None = None  # buffers=local: its own buffers; None: the initial model's
         self.state: dict[str, Any] = {}  # the algorithm's personal state (teacher, row of P, ...)
+        self.seed = seed  # with cid, what keys its private releases (rayfl.privacy)
         self.rng = np.random.default_rng([seed, cid])
         self.gen = torch.Generator().manual_seed(int(self.rng.integers(2**62)))
         self.optimizer = None  # an algorithm that keeps optimizer state across rounds sets it

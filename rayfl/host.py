@@ -61,6 +61,9 @@ class ClientHost:
         if settings.dp is not None:  # Opacus's accountants take about a second to import: at start-up, not in round 1
             import opacus.accountants  # noqa: F401
 
+            if settings.dp.level == "sample":  # the model's one check of its per-sample norms, likewise
+                self._warm_up_private(next(iter(self.clients.values())))
+
     def _holdout(self, x, y, holdout: np.ndarray, cd, device: str) -> tuple:
         """The balanced global test set (Federation.holdout) as a "global" split, under the client's evaluation
         transform; materialized once per host and transform, for algorithms whose ClientLogic sets
@@ -82,6 +85,16 @@ class ClientHost:
         opt = training.optimizer_for(model, s.optimizer, 0.0, s.momentum, s.weight_decay)
         training.train_epochs(model, x[:2], y[:2], 1, 2, opt, training.loss_fn_for(s.task),
                               torch.Generator().manual_seed(0))
+
+    @staticmethod
+    def _warm_up_private(client: Client) -> None:
+        """One throwaway DP-SGD gradient of two samples, charged to no one: the architecture's check of its
+        per-sample norms (rayfl.clipping) and torch.func's imports happen at start-up."""
+        model = client.new_model()
+        x, y = client.splits["train"]
+        if x.shape[0]:
+            privacy.noisy_gradient([(model, [p for p in model.parameters() if p.requires_grad],
+                                     training.loss_fn_for(client.settings.task))], x[:2], y[:2], 0.0, 1.0, 1.0, None)
 
     def run(self, step: str, items: list[tuple[int, dict]], reduce=None) -> tuple[list[dict], Partial]:
         """Run ``step_<step>`` for each (client id, message); one batched fetch of every named model.
@@ -105,7 +118,7 @@ class ClientHost:
                 else:
                     self.bench.step += 1
                     t0 = time.perf_counter()
-                    with privacy.training_of(self.clients[cid]) if step != "evaluate" else nullcontext():
+                    with privacy.training_of(self.clients[cid], step) if step != "evaluate" else nullcontext():
                         up = method(self.clients[cid], msg, models) or {}
                     up.setdefault("seconds", time.perf_counter() - t0)
                 if step == "evaluate":  # ε so far beside the client's accuracy (sample-level DP)

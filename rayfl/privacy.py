@@ -4,13 +4,16 @@ algorithms that average, and accounting that composes over everything a client e
 Sample level (``dp_level=sample``; Abadi et al. 2016, Algorithm 1). Inside a client step of an algorithm whose
 ClientLogic declares ``private_training = True``, :func:`rayfl.training.train_epochs` takes the private path
 (:func:`train_epochs` here): batches are Poisson samples of the training split (each sample in with probability
-q = batch_size / n, drawn from the training generator, which the client's snapshots hold), every sample's
-gradient over all trained parameters is clipped to norm C (``dp_clip``), Gaussian noise of standard deviation
-σ·C (``dp_noise`` = σ) is added to their sum, which is divided by the expected batch size q·n (Opacus's
-DPOptimizer with Poisson sampling and mean reduction; the same clip factor C / (‖g‖ + 1e-6) capped at 1).
-Per-sample gradients come from ``torch.func`` (``vmap(grad(...))`` over a ``functional_call`` of the model), so
-flat models (:func:`rayfl.training.flatten`) and any optimizer (FlatSGD, torch's, momentum, Adam) train on the
-privatized gradient unchanged. Each client keeps one accountant over every private step it has taken, in any
+q = batch_size / n), every sample's gradient over all trained parameters is clipped to norm C (``dp_clip``),
+Gaussian noise of standard deviation σ·C (``dp_noise`` = σ) is added to their sum, which is divided by the
+expected batch size q·n (Opacus's DPOptimizer with Poisson sampling and mean reduction; the same clip factor
+C / (‖g‖ + 1e-6) capped at 1). Each private training call is a release of its own: its batches and noise come
+from a generator keyed by (seed, client, client step, label, count) (:meth:`Account.generator`), never from
+the caller's, so that the releases the accountant composes are independent. The clipped sum comes from
+per-sample norms computed from each layer's input and output gradient (:mod:`rayfl.clipping`), or, where a
+model's layers do not allow it, from per-sample gradients formed by ``torch.func`` (``vmap(grad(...))`` over a
+``functional_call`` of the model); flat models (:func:`rayfl.training.flatten`) and any optimizer (FlatSGD,
+torch's, momentum, Adam) train on the privatized gradient unchanged. Each client keeps one accountant over every private step it has taken, in any
 stage and round: Opacus's history of (noise multiplier, sample rate, steps) as plain data in
 ``client.state["dp_history"]``, so it is in every snapshot and checkpoint and a replayed client or a resumed run
 reports the same ε. ε at δ (``dp_delta``) is read from Opacus's RDP accountant (``dp_accountant=rdp``, Mironov
@@ -36,14 +39,16 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 
 LEVELS = ("sample", "user")
 ACCOUNTANTS = ("rdp", "prv")
 HISTORY = "dp_history"  # client.state key: the accountant's history, [[noise multiplier, sample rate, steps], ...]
+STEPS = "dp_steps"  # client.state key: how many client steps it has run under sample-level DP (a release's key)
 CHUNK_ELEMENTS = 1 << 25  # per-sample gradients held at once (samples x parameters), at most: 128 MB of float32
 
 
@@ -156,8 +161,31 @@ def epsilon(history: list, delta: float, kind: str = "rdp") -> float:
     if key not in _EPSILON:
         if len(_EPSILON) > 4096:
             _EPSILON.clear()
-        _EPSILON[key] = float(_accountant(kind, history).get_epsilon(delta))
+        _EPSILON[key] = _rdp_epsilon(history, delta) if kind == "rdp" else float(
+            _accountant(kind, history).get_epsilon(delta))
     return _EPSILON[key]
+
+
+_RDP_STEP: dict = {}  # (noise multiplier, sample rate) -> Opacus's RDP of one step at its default orders
+
+
+def _rdp_epsilon(history: list, delta: float) -> float:
+    """Opacus's ``RDPAccountant.get_epsilon`` over ``history``, term for term: Σ compute_rdp(q, σ, steps) at its
+    default orders, then its conversion to (ε, δ). compute_rdp is one step's RDP times the steps, so one step's
+    is kept per (σ, q): the same floats, without recomputing at every evaluation what only the steps change
+    (at a round's evaluation it took half a second an actor)."""
+    from opacus.accountants import RDPAccountant
+    from opacus.accountants.analysis import rdp as analysis
+
+    orders = RDPAccountant.DEFAULT_ALPHAS
+    terms = []
+    for s, q, n in history:
+        key = (float(s), float(q))
+        if key not in _RDP_STEP:
+            _RDP_STEP[key] = analysis.compute_rdp(q=key[1], noise_multiplier=key[0], steps=1, orders=orders)
+        terms.append(_RDP_STEP[key] * int(n))
+    eps, _ = analysis.get_privacy_spent(orders=orders, rdp=sum(terms), delta=delta)
+    return float(eps)
 
 
 def client_epsilon(client) -> float | None:
@@ -175,35 +203,81 @@ _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("rayfl_private_training
 
 @dataclass
 class Account:
-    """The privacy account of the client whose step is running: its settings and where its history lives."""
+    """The privacy account of the client whose step is running: its settings, where its history lives, and
+    what keys the step's releases (:meth:`generator`)."""
 
     dp: DPSettings
     client: Any
+    step_name: str = ""  # the client step running (train, distill, specialist, ...)
+    step: int = 0  # how many private client steps this client ran before this one
+    label: tuple = ()  # what the caller says is being trained (:func:`release_key`: a model, a grid point)
+    releases: dict = field(default_factory=dict)  # label -> releases under it so far in this step
 
     def spend(self, rate: float, steps: int) -> None:
         spend(self.client.state.setdefault(HISTORY, []), self.dp.noise, rate, steps, self.dp.accountant)
 
+    def generator(self):
+        """A generator of its own for the step's next release (its Poisson batches and its noise), keyed by
+        (seed, client, step name, step, label, how many releases this step made under that label before): no
+        two releases of a client share a batch or a noise draw, and a replayed step redraws its own."""
+        k = self.releases.get(self.label, 0)
+        self.releases[self.label] = k + 1
+        return release_generator(getattr(self.client, "seed", 0), getattr(self.client, "cid", 0), self.step_name,
+                                 self.step, self.label, k)
+
+
+def release_generator(seed: int, cid: int, step_name: str, step: int, label: tuple, k: int):
+    """The torch generator of one private release, from its key alone (a hash of it: labels may hold floats)."""
+    import torch
+
+    key = repr((int(seed), int(cid), str(step_name), int(step), tuple(label), int(k))).encode()
+    value = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+    return torch.Generator().manual_seed(value)
+
 
 @contextlib.contextmanager
-def training_of(client):
-    """While one client step runs: training (``training.train_epochs``) takes the private path and charges this
-    client's account when sample-level DP is on; otherwise nothing changes."""
+def training_of(client, step_name: str = ""):
+    """While one client step (``step_name``) runs: training (``training.train_epochs``) takes the private path
+    and charges this client's account when sample-level DP is on; otherwise nothing changes.
+
+    Each private training call is its own release with its own generator (:meth:`Account.generator`), not the
+    caller's: the accountant composes releases as independent Gaussian mechanisms on independent Poisson
+    samples (Mironov 2017, Prop. 1; Abadi et al. 2016, Sec. 3.1), which two students trained from one generator
+    state (the same batches, the same noise) would not be."""
     dp = client.settings.dp
     if dp is None or dp.level != "sample":
         yield
         return
     from rayfl import training
 
-    account = Account(dp, client)
+    step = int(client.state.get(STEPS, 0))
+    client.state[STEPS] = step + 1
+    account = Account(dp, client, step_name, step)
     token = _ACTIVE.set(account)
     private = training.PRIVATE_TRAINER.set(
         lambda model, x, y, epochs, batch_size, optimizer, loss_fn, gen:
-        train_epochs(model, x, y, epochs, batch_size, optimizer, loss_fn, gen, account))
+        train_epochs(model, x, y, epochs, batch_size, optimizer, loss_fn, account.generator(), account))
     try:
         yield
     finally:
         training.PRIVATE_TRAINER.reset(private)
         _ACTIVE.reset(token)
+
+
+@contextlib.contextmanager
+def release_key(*label):
+    """Releases made inside are keyed by ``label`` as well (a PersFL grid point): the same label in the same
+    client step draws the same batches and noise whether the other labels are trained or not (a grid point
+    run alone equals that point inside the grid). Nothing changes outside a private step."""
+    account = active()
+    if account is None:
+        yield
+        return
+    saved, account.label = account.label, tuple(label)
+    try:
+        yield
+    finally:
+        account.label = saved
 
 
 def active() -> Account | None:
@@ -268,25 +342,73 @@ def clip_and_add(per_sample: list, clip: float, sums: list) -> Any:
     return norms
 
 
-def noisy_gradient(parts: list[tuple], x, y, noise: float, clip: float, expected: float, gen) -> tuple[list, float]:
-    """One DP-SGD gradient on a batch: per-sample gradients of every part's loss, clipped together to C, summed,
-    plus N(0, σ²C²) per coordinate, over the expected batch size. Returns (a gradient per parameter, the batch's
-    summed loss). In chunks of samples, so that a large model or batch keeps CHUNK_ELEMENTS at most."""
+def materialized_sum(parts: list[tuple], x, y, clip: float) -> tuple[list, float, Any]:
+    """Σ_i g_i · min(1, C / (‖g_i‖ + 1e-6)) from the per-sample gradients themselves (``torch.func``), in chunks
+    of samples so that a large model or batch keeps CHUNK_ELEMENTS at most; the batch's summed loss and the
+    per-sample norms."""
     import torch
 
     params = [p for _, ps, _ in parts for p in ps]
     sums = [torch.zeros_like(p) for p in params]
     size = sum(p.numel() for p in params)
     chunk = max(1, CHUNK_ELEMENTS // max(size, 1))
-    loss = 0.0
+    loss, norms = 0.0, []
     for start in range(0, x.shape[0], chunk):
         grads, losses = per_sample_grads(parts, x[start:start + chunk], y[start:start + chunk])
-        clip_and_add(grads, clip, sums)
+        norms.append(clip_and_add(grads, clip, sums))
         loss += float(losses.sum())
-    for total in sums:
-        if noise > 0:
-            total.add_(torch.normal(0.0, noise * clip, total.shape, generator=gen).to(total.device))
-        total.div_(expected)
+    return sums, loss, torch.cat(norms) if norms else torch.zeros(0)
+
+
+_NOISE: dict = {}  # count -> the CPU buffer the last draws of that many went into
+
+
+def gaussian_noise(count: int, gen, device) -> Any:
+    """``count`` standard normal draws from ``gen`` (on the CPU, moved to ``device``), one call for a whole
+    gradient, into a buffer kept for the next step (a fresh 600 kB tensor a step costs page faults): the draws
+    are most of what DP adds to a small model's step. Valid until the next call for as many draws."""
+    import torch
+
+    buf = _NOISE.get(count)
+    if buf is None:
+        _NOISE.clear()  # one size at a time (a run's model); a new size replaces it
+        buf = _NOISE[count] = torch.empty(count)
+    return buf.normal_(generator=gen).to(device)
+
+
+def noisy_gradient(parts: list[tuple], x, y, noise: float, clip: float, expected: float, gen,
+                   materialize: bool = False, out: list | None = None) -> tuple[list, float]:
+    """One DP-SGD gradient on a batch: every sample's gradient over every part's parameters clipped to C, summed,
+    plus N(0, σ²C²) per coordinate, over the expected batch size. Returns (a gradient per parameter, the batch's
+    summed loss). The clipped sum comes from per-sample norms without per-sample gradients
+    (:mod:`rayfl.clipping`) where the model's layers allow, else (or with ``materialize``) from the per-sample
+    gradients; the noise is the same draw either way. ``out``: a tensor per parameter to write the gradient into
+    (returned), else new ones."""
+    import torch
+
+    from rayfl import clipping
+
+    fast = None
+    if x.shape[0] and not materialize:
+        fast = clipping.clipped_sum(parts, x, y, clip, 1.0 / expected,  # already over the expected batch size
+                                    reference=lambda *batch: materialized_sum(*batch, clip)[2], out=out)
+    if fast is not None:
+        sums, loss, _ = fast
+    else:
+        sums, loss = [torch.zeros_like(p) for _, ps, _ in parts for p in ps], 0.0
+        if x.shape[0]:
+            sums, loss, _ = materialized_sum(parts, x, y, clip)
+        for total in sums:
+            total.div_(expected)
+        if out is not None:
+            for o, total in zip(out, sums):
+                o.copy_(total)
+            sums = list(out)
+    z = gaussian_noise(sum(t.numel() for t in sums), gen, sums[0].device) if noise > 0 and sums else None
+    offset = 0
+    for total in sums if z is not None else ():  # + N(0, σ²C²) per coordinate, over the expected batch size
+        total.add_(z[offset:offset + total.numel()].view_as(total), alpha=noise * clip / expected)
+        offset += total.numel()
     return sums, loss
 
 
@@ -295,7 +417,7 @@ def set_grads(params: list, grads: list) -> None:
     for p, g in zip(params, grads):
         if p.grad is None:
             p.grad = g
-        else:
+        elif p.grad is not g:
             p.grad.copy_(g)
 
 
@@ -304,6 +426,8 @@ def train_epochs(model, x, y, epochs: int, batch_size: int, optimizer, loss_fn: 
     """DP-SGD over (x, y): ``rayfl.training.train_epochs`` when the running step's training must be private.
     Steps per epoch as plain training takes; the account is charged (σ, q) for each. Returns the mean loss per
     sample seen in the last epoch."""
+    import torch
+
     from rayfl import training
 
     layer = unsupported_layer(model)
@@ -314,13 +438,14 @@ def train_epochs(model, x, y, epochs: int, batch_size: int, optimizer, loss_fn: 
     rate, steps = batch_plan(n, batch_size)
     params = trained_params(model, optimizer)
     parts = [(model, params, loss_fn)]
+    # every step writes the whole gradient into the same tensors (FlatSGD's flat buffer through its views)
+    grads = [p.grad if p.grad is not None and p.grad.shape == p.shape else torch.zeros_like(p) for p in params]
     loss, seen = float("nan"), 0
     for _ in range(epochs):
         loss, seen = 0.0, 0
         for _ in range(steps):
             idx = poisson_batch(n, rate, gen, x.device)
-            optimizer.zero_grad(set_to_none=True)
-            grads, batch_loss = noisy_gradient(parts, x[idx], y[idx], dp.noise, dp.clip, rate * n, gen)
+            grads, batch_loss = noisy_gradient(parts, x[idx], y[idx], dp.noise, dp.clip, rate * n, gen, out=grads)
             set_grads(params, grads)
             optimizer.step()
             loss, seen = loss + batch_loss, seen + int(idx.numel())
@@ -352,12 +477,55 @@ def run_tags(cfg) -> dict[str, str]:
             "rayfl.dp.delta": str(dp.delta), "rayfl.dp.level": dp.level, "rayfl.dp.accountant": dp.accountant}
 
 
+def final_epsilon(cfg, final: dict | None) -> float | None:
+    """The ε a private run reached (the largest over clients), when it is known and finite."""
+    if DPSettings.from_config(cfg) is None:
+        return None
+    eps = (final or {}).get("dp_epsilon_max")
+    return float(eps) if eps is not None and math.isfinite(eps) else None
+
+
+def final_tags(cfg, final: dict | None) -> dict[str, str]:
+    """The tag a private run gets at its end: ``rayfl.dp.epsilon``, the final ε (the largest over clients)."""
+    eps = final_epsilon(cfg, final)
+    return {} if eps is None else {"rayfl.dp.epsilon": f"{eps:.6g}"}
+
+
 def run_name(name: str | None, cfg) -> str | None:
-    """The MLflow run name, marked private (``... · DP-sample σ=1``)."""
+    """The MLflow run name, marked private at its start (``DP σ=1 fedavg-...``), where a narrow column of the
+    runs table still shows it."""
     dp = DPSettings.from_config(cfg)
     if dp is None or name is None:
         return name
-    return f"{name} · DP-{dp.level} {'σ' if dp.level == 'sample' else 'z'}={dp.noise:g}"
+    return f"{mark(dp)} {name}"
+
+
+def mark(dp: DPSettings) -> str:
+    """The short mark of a private run: ``DP σ=1`` (sample level) or ``DP-user z=1``."""
+    return f"DP σ={dp.noise:g}" if dp.level == "sample" else f"DP-user z={dp.noise:g}"
+
+
+def headline(cfg) -> str:
+    """What the run's privacy is, for its first console lines: ``DP-SGD σ=1, C=1, δ=1e-05 (sample level)``;
+    empty for a run without it."""
+    dp = DPSettings.from_config(cfg)
+    if dp is None:
+        return ""
+    accountant = f"{dp.accountant.upper()} accountant"
+    if dp.level == "sample":
+        return f"DP-SGD σ={dp.noise:g}, C={dp.clip:g}, δ={dp.delta:g} (sample level, {accountant})"
+    return f"DP-FedAvg z={dp.noise:g}, S={dp.clip:g}, δ={dp.delta:g} (user level, {accountant})"
+
+
+def plot_title(cfg, final: dict | None) -> str:
+    """What a private run's plot titles add: `` · DP σ=1, ε=3.2 at δ=1e-05`` (empty without DP), in no-break
+    spaces, so that a wrapped title keeps it on one line."""
+    dp = DPSettings.from_config(cfg)
+    if dp is None:
+        return ""
+    eps = final_epsilon(cfg, final)
+    text = mark(dp) + (f", ε={eps:.3g} at δ={dp.delta:g}" if eps is not None else "")
+    return " · " + text.replace(" ", "\u00a0")
 
 
 def describe(cfg, final: dict | None = None) -> str:
@@ -367,6 +535,6 @@ def describe(cfg, final: dict | None = None) -> str:
         return ""
     what = (f"DP-SGD per sample (σ={dp.noise:g}, C={dp.clip:g})" if dp.level == "sample"
             else f"user-level DP-FedAvg (z={dp.noise:g}, S={dp.clip:g})")
-    eps = (final or {}).get("dp_epsilon_max")
-    reached = f", ε={eps:.3g}" if eps is not None and math.isfinite(eps) else ""
+    eps = final_epsilon(cfg, final)
+    reached = f", ε={eps:.3g}" if eps is not None else ""
     return f"; {what}, {dp.accountant.upper()} accountant{reached} at δ={dp.delta:g}"

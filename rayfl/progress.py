@@ -38,9 +38,10 @@ def stderr_into(f):
 
 
 def format_round(rec: dict, wall: float | None = None, eta: float | None = None,
-                 elapsed: float | None = None) -> str:
+                 elapsed: float | None = None, epsilon: float | None = None) -> str:
     """One line per round: the summary across clients, the round's wall time, the time since the command
-    started (its start-up counted) and the time the rounds left will take."""
+    started (its start-up counted), the time the rounds left will take and, in a private run, the largest ε
+    over clients so far (``epsilon``: the last one evaluated when this round was not)."""
     m = rec["metrics"]
     parts = [f"round {rec['step'] + 1:>3}/{rec['total']} [{rec['stage']}]"]
     if "test_acc_mean" in m:
@@ -56,6 +57,9 @@ def format_round(rec: dict, wall: float | None = None, eta: float | None = None,
         parts.append(f"elapsed {format_seconds(elapsed)}")
     if eta is not None:
         parts.append(f"eta {format_seconds(eta)}")
+    epsilon = m.get("dp_epsilon_max", epsilon)
+    if epsilon is not None:
+        parts.append(f"ε {epsilon:.3g}")
     return "  ".join(parts)
 
 
@@ -99,6 +103,7 @@ class ConsoleProgress:
         self.actors_since: float | None = None
         self.last_actor_line = 0.0
         self.since: float | None = None  # when the command made its plan: elapsed times count its start-up
+        self.epsilon: float | None = None  # a private run's largest ε so far (rounds without evaluation repeat it)
 
     def __call__(self, event: dict) -> None:
         handler = getattr(self, "on_" + event["event"], None)
@@ -122,9 +127,12 @@ class ConsoleProgress:
         cfg, p = e["cfg"], e["prepared"]
         self.since = time.monotonic()
         knobs = ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(p.algorithm.make_params(cfg.params)).items())
+        from rayfl.privacy import headline
+
+        private = headline(cfg)
         self.write(f"rayfl: {cfg.algo}{f' ({knobs})' if knobs else ''} on {cfg.dataset} ({cfg.partition}), "
-                   f"{cfg.clients} clients, {p.info.n_params} parameters ({p.model_spec.name}); run directory "
-                   f"{e['run_dir']}")
+                   f"{cfg.clients} clients, {p.info.n_params} parameters ({p.model_spec.name})"
+                   f"{f'; {private}' if private else ''}; run directory {e['run_dir']}")
         partition(e.get("partition") or PartitionReport.of(p), self.write)
 
     def on_cluster(self, e: dict) -> None:
@@ -160,8 +168,10 @@ class ConsoleProgress:
 
     def on_round(self, e: dict) -> None:
         wall, eta = self.clock.round(e)
+        self.epsilon = e["metrics"].get("dp_epsilon_max", self.epsilon)
         if self.rounds:
-            self.write(format_round(e, wall, eta, None if self.since is None else time.monotonic() - self.since))
+            self.write(format_round(e, wall, eta, None if self.since is None else time.monotonic() - self.since,
+                                    self.epsilon))
         for warning in e.get("warnings", ()):  # the algorithm's caveats, shown with --quiet too
             self.write(f"rayfl: warning: {warning}")
 
@@ -207,6 +217,15 @@ def summary_table(final: dict) -> str:
     rows = [f"{m:{width}s}" + "".join(f"{final.get(f'{m}_{s}', float('nan')):>12.4f}" for s in stats) for m in metrics]
     if "dp_epsilon_max" in final:  # differential privacy: the ε reached, beside the accuracy (worst: the largest)
         rows.append(f"{'dp_epsilon':{width}s}" + "".join(
-            f"{final.get(k, float('nan')):>12.4f}" for k in ("dp_epsilon_mean", "", "", "dp_epsilon_max", "")))
+            cell(final[k]) if k else f"{'-':>12s}" for k in ("dp_epsilon_mean", "", "", "dp_epsilon_max", "")))
     head = f"{'':{width}s}" + "".join(f"{h:>12s}" for h in ("mean", "weighted", "std", "worst", "bottom10%"))
     return "\n".join([head, *rows])
+
+
+def cell(value: float, width: int = 12) -> str:
+    """A number right-aligned in ``width`` characters with a space before it, whatever its size: four decimals
+    while they fit, else four significant digits (an ε of 10⁹ keeps the table's columns)."""
+    text = f"{value:.4f}"
+    if len(text) >= width:
+        text = f"{value:.4g}"
+    return f"{text:>{width}s}"

@@ -641,14 +641,16 @@ class MlflowTracker(Callback):
             if vectors:  # personal weights only (FedAvg's clients have none)
                 self._log_file("clients.npz", lambda p: np.savez_compressed(
                     p, **{f"client_{c}": v for c, v in sorted(vectors.items())}), "models")
-            self._log_figure(accuracy_plot(hist, title, cfg.clients), "plots/accuracy.png")
+            self._log_figure(accuracy_plot(hist, title + privacy.plot_title(cfg, summary), cfg.clients),
+                             "plots/accuracy.png")
             for name, obj in artifacts.items():
                 self._log_object(name, obj, "algorithm")
             for name, rounds in kept.items():
                 self._log_figure(matrix_rounds(self.algo, name, rounds), f"plots/{name}_rounds.png")
             self._log_dict(final_json, "results/final.json")
             # the Overview opens on the description: the results, the setting (with the ε a private run reached)
-            self._log_tags({"mlflow.note.content": note, "rayfl.tracking_cpu_seconds": f"{rounds_cpu:.6f}"})
+            self._log_tags({"mlflow.note.content": note, "rayfl.tracking_cpu_seconds": f"{rounds_cpu:.6f}",
+                            **privacy.final_tags(cfg, summary)})
 
         self._submit(job)
         self._close("FINISHED", self.wait)

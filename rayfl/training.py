@@ -201,7 +201,8 @@ PRIVATE_TRAINER: contextvars.ContextVar = contextvars.ContextVar("rayfl_private_
 def train_epochs(model: nn.Module, x: torch.Tensor, y: torch.Tensor, epochs: int, batch_size: int,
                  optimizer: torch.optim.Optimizer, loss_fn: Callable, gen: torch.Generator) -> float:
     """Minibatch SGD over (x, y) for some epochs; returns the mean training loss of the last epoch. Inside a
-    client step whose training must be private (sample-level DP), DP-SGD instead (:data:`PRIVATE_TRAINER`)."""
+    client step whose training must be private (sample-level DP), DP-SGD instead (:data:`PRIVATE_TRAINER`),
+    which draws its batches and noise from a generator of the release's own, not from ``gen``."""
     private = PRIVATE_TRAINER.get()
     if private is not None:
         return private(model, x, y, epochs, batch_size, optimizer, loss_fn, gen)

@@ -151,7 +151,7 @@ def test_p_update_uses_raw_w_and_stores_uploads():
         [1] + [j for j in sent[1]["models"]["peers"] if j != 3])  # model 3 lost: downloaded, weight 0
     np.testing.assert_array_equal(srv.uploads[0], np.full(3, 10.0))  # replaced, never averaged
     np.testing.assert_array_equal(srv.uploads[2], np.full(3, 2.0))  # non-participant: kept
-    assert metrics["epsilon"] == 0.0 and metrics["train_loss"] == 1.0
+    assert metrics["fedfomo_explore_rate"] == 0.0 and "epsilon" not in metrics and metrics["train_loss"] == 1.0
     assert set(srv.artifacts()) >= {"P", "weights"} and srv.artifacts()["weights"].shape == (4, 4)
     assert set(srv.round_artifacts(1)) == {"P"}
 

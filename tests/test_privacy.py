@@ -316,8 +316,10 @@ def test_on_ray_a_killed_client_actor_changes_no_epsilon_and_mlflow_says_the_run
     tags = run.data.tags
     assert (tags["rayfl.dp.noise"], tags["rayfl.dp.clip"], tags["rayfl.dp.delta"], tags["rayfl.dp.level"],
             tags["rayfl.dp.accountant"]) == ("1.0", "0.8", "1e-05", "sample", "rdp")
-    assert run.info.run_name == "client-kill · DP-sample σ=1"
+    assert run.info.run_name == "DP σ=1 client-kill"  # the mark first: a narrow runs-table column still shows it
     eps = result["final"]["dp_epsilon_max"]
+    assert tags["rayfl.dp.epsilon"] == f"{eps:.6g}" and float(tags["rayfl.dp.epsilon"]) > 0
+    assert "plots/accuracy.png" in {a.path for a in client.list_artifacts(run.info.run_id, "plots")}
     assert f"ε={eps:.3g} at δ=1e-05" in tags["mlflow.note.content"]
     final = json.loads(open(client.download_artifacts(run.info.run_id, "results/final.json")).read())
     assert final["dp_epsilon_max"] == eps and final["dp_epsilon_mean"] == result["final"]["dp_epsilon_mean"]

@@ -356,10 +356,10 @@ class FedericoClient(ClientLogic):
         x, y = client.splits["train"]
         n = x.shape[0]
         rate, _ = privacy.batch_plan(n, client.settings.batch_size)
-        idx = privacy.poisson_batch(n, rate, client.gen, x.device)
+        gen = account.generator()  # the release's own batch and noise (rayfl.privacy)
+        idx = privacy.poisson_batch(n, rate, gen, x.device)
         parts = [(net, list(net.parameters()), loss_fn) for net in nets]
-        sums, _ = privacy.noisy_gradient(parts, x[idx], y[idx], account.dp.noise, account.dp.clip, rate * n,
-                                         client.gen)
+        sums, _ = privacy.noisy_gradient(parts, x[idx], y[idx], account.dp.noise, account.dp.clip, rate * n, gen)
         account.spend(rate, 1)
         out, k = [], 0
         for _, params, _ in parts:

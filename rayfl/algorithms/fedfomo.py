@@ -211,7 +211,7 @@ class FedFomoServer(Server):
             kept += int(up["kept_base"])
             if train:
                 self.uploads[c] = up["weights"]
-        metrics = {"epsilon": epsilon_at(self.params.epsilon, self.params.epsilon_decay, rnd),
+        metrics = {"fedfomo_explore_rate": epsilon_at(self.params.epsilon, self.params.epsilon_decay, rnd),
                    "kept_base_frac": kept / max(len(ups), 1),
                    "downloads_mean": float(np.mean([len(m["models"]["peers"]) for m in messages.values()]))}
         if train:

@@ -28,7 +28,10 @@ Choices where the paper is silent, written down here:
 - Grid default: λ ∈ {0, .25, .5, .75, 1}, T ∈ {1, 5, 9, ..., 25} (inferred from Table 5: the text lists no
   grid). An empty grid means "use the single ``lam`` / ``T``" (a Tune trial sets lam, T and ``lam_grid=() T_grid=()``).
 - Every grid point restarts from the teacher with the same batch order (a generator seeded by (seed, client),
-  independent of stage 1), so one grid point run alone (a Tune trial) equals that point inside the grid. Stage 1
+  independent of stage 1), so one grid point run alone (a Tune trial) equals that point inside the grid. Under
+  sample-level DP each point is a release of its own and draws its own Poisson batches and noise, keyed by the
+  point (``rayfl.privacy.release_key``): the accountant composes the points as independent releases, which
+  students sharing one batch and noise sequence are not; a point alone still equals that point in the grid. Stage 1
   reads no PersFL knob (``depends_on=()``), so runs that differ only in stage-2 knobs share it through the
   platform's stage cache (``stage_cache``; on in ``rayfl tune``).
 - ``distill_epochs=0`` means the run's ``local_epochs`` (Algorithm 1 loops E_L epochs in stage 2); the
@@ -48,7 +51,7 @@ import torch.nn.functional as F
 
 from rayfl.algorithms.base import Algorithm, Stage
 from rayfl.algorithms.baselines import FedAvgClient, FedAvgServer, weighted_mean
-from rayfl import training
+from rayfl import privacy, training
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -246,8 +249,9 @@ class PersFLClient(FedAvgClient):
                 continue
             student = client.new_model(source)
             opt = training.make_optimizer(student.parameters(), s.optimizer, s.lr, s.momentum, s.weight_decay)
-            train_loss = distill(student, x, y, t_logits, lam, T, p.variant, epochs, s.batch_size, opt,
-                                 stage2_generator(int(msg["seed"]), client.cid))
+            with privacy.release_key("grid", lam, T if lam else 0.0):  # under DP: the point's own batches, noise
+                train_loss = distill(student, x, y, t_logits, lam, T, p.variant, epochs, s.batch_size, opt,
+                                     stage2_generator(int(msg["seed"]), client.cid))
             val_loss, val_acc = training.evaluate(student, *client.splits["val"], s.task)
             grid.append([lam, T, val_acc, val_loss])
             if lam == 0:
