@@ -36,10 +36,11 @@ def _kind(values) -> str:
     return "NaN" if any(v != v for v in values) else "inf"
 
 
-def round_problem(metrics: dict, per_client: dict[int, dict]) -> str | None:
-    """What is not finite in a reported round, or None: the training loss, or a client's loss on a split it has
-    samples of (an empty split's NaN is no divergence)."""
-    for key in TRAIN_LOSSES:
+def round_problem(metrics: dict, per_client: dict[int, dict], participants: int = 1) -> str | None:
+    """What is not finite in a reported round, or None: the training loss of a round in which some client took
+    part (a round that sampled nobody, as Poisson sampling can, has none to report), or a client's loss on a
+    split it has samples of (an empty split's NaN is no divergence)."""
+    for key in TRAIN_LOSSES if participants else ():
         if _not_finite(metrics.get(key)):
             return f"{key} is {_kind([float(metrics[key])])}"
     bad: dict[str, list[float]] = {}

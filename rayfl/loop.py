@@ -245,7 +245,7 @@ class Loop:
                     rec["dp_epsilon"] = record.epsilon
             metrics["eval_seconds"] = time.perf_counter() - t_eval  # from asking to having every record
             metrics.update(round_summary(record.per_client))
-        self.check_finite(step, metrics, record.per_client)  # before it is reported, kept or checkpointed
+        self.check_finite(step, metrics, record)  # before it is reported, kept or checkpointed
         if evaluation is not None:
             self.last_eval = record.per_client
         self.history.append({"step": step, "stage": record.stage, **metrics})
@@ -263,9 +263,9 @@ class Loop:
                 cb.on_checkpoint(self)
             self.save_checkpoint(step)
 
-    def check_finite(self, step: int, metrics: dict, per_client: dict) -> None:
+    def check_finite(self, step: int, metrics: dict, record: RoundRecord) -> None:
         """Diverged when the round's training loss or a client's evaluation loss is not finite."""
-        problem = round_problem(metrics, per_client)
+        problem = round_problem(metrics, record.per_client, len(record.participants))
         if problem is not None:
             self.diverged(step, problem)
 

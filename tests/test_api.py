@@ -274,7 +274,7 @@ def test_result_reprs_are_short_and_say_what_ran_and_where():
 def test_dir_and_help_list_the_public_api_and_every_config_key():
     from rayfl.config import FIELDS
 
-    public = {"run", "tune", "compare", "RunResult", "SweepResult", "CompareResult", "SweepFailed", "UserError",
+    public = {"run", "tune", "compare", "RunResult", "SweepResult", "CompareResult", "SweepFailed", "UserError", "Diverged",
               "Config", "__version__", "register_algorithm", "register_dataset", "DatasetSource", "register_model",
               "ModelSource", "sync"}
     assert public <= set(dir(rayfl))

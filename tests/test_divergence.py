@@ -51,10 +51,16 @@ RAYFL = os.path.join(os.path.dirname(sys.executable), "rayfl")
 
 
 @pytest.fixture(scope="module")
-def nan_plugin(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("plugin") / "fednan.py"  # one file: a name is registered from one source
+def nan_plugin(tmp_path_factory):
+    """The plugin's file (one file: a name is registered from one source); its algorithm is unregistered after
+    this module, so that tests over every algorithm elsewhere do not meet it."""
+    from rayfl import algorithms, plugins
+
+    path = tmp_path_factory.mktemp("plugin") / "fednan.py"
     path.write_text(PLUGIN)
-    return str(path)
+    yield str(path)
+    algorithms._registered.pop("fednan", None)
+    plugins._loaded.pop(str(path), None)
 
 
 def test_round_problem_names_the_split_and_counts_clients():
@@ -62,6 +68,7 @@ def test_round_problem_names_the_split_and_counts_clients():
     assert round_problem({"train_loss": 0.3}, ok) is None
     assert round_problem({"train_loss": float("nan")}, ok) == "train_loss is NaN"
     assert round_problem({"train_loss": float("inf")}, {}) == "train_loss is inf"
+    assert round_problem({"train_loss": float("nan")}, ok, participants=0) is None  # nobody sampled, nothing trained
     bad = {0: {"test_loss": float("nan"), "n_test": 4}, 1: {"test_loss": 0.2, "n_test": 4},
            2: {"test_loss": float("nan"), "n_test": 3}}
     assert round_problem({}, bad) == "test loss is NaN for 2 of 3 clients"
