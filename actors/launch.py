@@ -18,7 +18,7 @@ from typing import Callable
 import ray
 
 from rayfl.actors.driver import DriverActor
-from rayfl.actors.resources import DRIVER_CPUS, n_actors_for, plan_actor_resources, preflight
+from rayfl.actors.resources import DRIVER_CPUS, live_nodes, n_actors_for, plan_actor_resources, preflight
 from rayfl.actors.runtime import dead_nodes, start_client_actors
 from rayfl.config import UserError
 from rayfl.loop import NoCapacity
@@ -26,6 +26,7 @@ from rayfl.progress import stderr_into
 
 
 DRIVER_START_SECONDS = 120  # a driver actor answers its first poll once started (MLflow, torch imports)
+SETTLE_SECONDS = 15.0  # how long the CPUs of actors just killed may take to show as free again
 
 
 class DriverLost(RuntimeError):
@@ -49,16 +50,17 @@ def launch(prepared, tracking: dict | None, checkpoint_dir: str | None = None,
     if checkpoint_dir:
         Loop.read_checkpoint(checkpoint_dir, cfg)  # a checkpoint of another config or version: refused here
     if resources is None:
+        nodes = _settled_nodes()  # each node's free resources: an actor lives on one node
         try:
-            n_actors, resources = preflight(cfg, ray.cluster_resources())
+            n_actors, resources = preflight(cfg, nodes)
         except UserError as e:
             if not cluster_may_grow:
                 raise
             print(f"rayfl: waiting for the autoscaler: {e}", flush=True)
-            n_actors = n_actors_for(cfg, ray.cluster_resources())
-            resources = plan_actor_resources(cfg, n_actors, ray.cluster_resources())
+            n_actors = n_actors_for(cfg, nodes)
+            resources = plan_actor_resources(cfg, n_actors, nodes)
     else:
-        n_actors = len(actor_options) if actor_options else n_actors_for(cfg, ray.cluster_resources())
+        n_actors = len(actor_options) if actor_options else n_actors_for(cfg, live_nodes())
     ds = prepared.dataset
     x_ref, y_ref = ray.put(ds.x), ray.put(ds.y)
     light = dataclasses.replace(prepared, dataset=dataclasses.replace(ds, x=None, y=None))
@@ -102,6 +104,21 @@ def launch(prepared, tracking: dict | None, checkpoint_dir: str | None = None,
     _close_failed(tracking, run_id, attempt)
     raise DriverLost(f"the driver actor died {cfg.max_restarts + 1} times (max_restarts={cfg.max_restarts}); "
                      f"last: {_first_line(lost)}") from lost
+
+
+def _settled_nodes(settle: float = SETTLE_SECONDS, steady: float = 1.5) -> list[dict]:
+    """Each live node's free resources once they settle: the actors of a run that just ended give their CPUs
+    back a moment after they are killed, so a node short of its total is read again until it is whole, or
+    unchanged for ``steady`` seconds (someone else's work), or ``settle`` seconds have passed."""
+    total = live_nodes(free=False)
+    t0 = time.monotonic()
+    nodes, since = live_nodes(), time.monotonic()
+    while nodes != total and time.monotonic() - t0 < settle and time.monotonic() - since < steady:
+        time.sleep(0.25)
+        now = live_nodes()
+        if now != nodes:
+            nodes, since = now, time.monotonic()
+    return nodes
 
 
 @contextmanager

@@ -198,12 +198,9 @@ def final_rows(label: str, seed: int, out: dict) -> list[dict]:
 def _ray_share(cfg, concurrent: int) -> tuple:
     """(client-actor resources, number of client actors) for one of ``concurrent`` experiments sharing the
     cluster evenly: the engine's own placement, planned on that share."""
-    import ray
+    from rayfl.actors.resources import check_fits, divided, live_nodes, n_actors_for, plan_actor_resources
 
-    from rayfl.actors.resources import check_fits, n_actors_for, plan_actor_resources
-
-    cluster = ray.cluster_resources()
-    share = {k: float(v) / concurrent for k, v in cluster.items() if k in ("CPU", "GPU", "memory")}
+    share = divided(live_nodes(free=False), concurrent)  # an even part of every node
     n_actors = n_actors_for(cfg, share)
     res = plan_actor_resources(cfg, n_actors, share)
     check_fits(res, n_actors, share, cfg.clients)
@@ -330,8 +327,9 @@ def compare(algos: Sequence[str] | None = None, seeds: Sequence[int] = (0, 1, 2)
             import ray
 
             started_ray = start_ray(address, lambda event: None)
-            cpus = float(ray.cluster_resources().get("CPU", 1.0))
-            concurrent = max_concurrent or max(1, min(len(prepared), int(cpus // max(1, base.torch_threads))))
+            from rayfl.actors.resources import live_nodes, slots
+
+            concurrent = max_concurrent or max(1, min(len(prepared), slots(base, live_nodes(free=False))))
             with ThreadPoolExecutor(concurrent) as ex:
                 for part in ex.map(one, prepared):
                     rows.extend(part)

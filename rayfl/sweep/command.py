@@ -349,7 +349,7 @@ def _plan_from_meta(meta: dict) -> Plan:
     return Plan(meta["algo"], meta["base"], space, meta["knobs"])
 
 
-def _default_concurrency(meta: dict, cluster: dict) -> int:
+def _default_concurrency(meta: dict, cluster) -> int:
     """One trial per client-actor slot (``torch_threads`` CPUs, within memory), at most one per trial: trials
     are independent, so running them side by side beats spreading one over the cluster, and a trial whose
     share is one slot runs in its own (reused) process."""
@@ -366,7 +366,9 @@ def _run(meta: dict, quiet: bool, resume: bool) -> int:
     cluster = {k: float(v) for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
     if not resume:
         if meta["max_concurrent"] is None:
-            meta["max_concurrent"] = _default_concurrency(meta, cluster)
+            from rayfl.actors.resources import live_nodes
+
+            meta["max_concurrent"] = _default_concurrency(meta, live_nodes(free=False))  # slots node by node
         if meta["max_concurrent"] < 1:
             raise UserError(f"--max-concurrent {meta['max_concurrent']}: must be >= 1")
         meta["share"] = {k: v / meta["max_concurrent"] for k, v in cluster.items()}
