@@ -19,11 +19,13 @@ import ray
 
 @ray.remote
 class ClientActor:
-    def __init__(self, cfg, model_spec, task, x, y, client_data: dict, initial, holdout=None, plugins=None):
-        # plugins: the run's registrations from outside the package (rayfl.plugins.Plugins), registered in this
-        # process as the arguments arrive: the algorithm is looked up by name when the clients are built
+    def __init__(self, sealed, x, y, initial):
+        # sealed (rayfl.plugins.Sealed): (cfg, model_spec, task, client_data, holdout, plugins), pickled apart so
+        # that a plugin's module this node lacks is one line from the first call, not an actor that dies while
+        # Ray reads its arguments and is restarted to die again. plugins: the run's registrations from outside
+        # the package (rayfl.plugins.Plugins), registered in this process as they are read
         self.token = uuid.uuid4().hex
-        self._args = (cfg, model_spec, task, x, y, client_data, initial, holdout)
+        self._args = (sealed, x, y, initial)
         self._host = None
 
     def _built(self):
@@ -35,7 +37,8 @@ class ClientActor:
             from rayfl.algorithms import get_algorithm
             from rayfl.host import ClientHost
 
-            cfg, model_spec, task, x, y, client_data, initial, holdout = self._args
+            sealed, x, y, initial = self._args
+            cfg, model_spec, task, client_data, holdout, _plugins = sealed.open()  # UserError: a module missing
             # Ray has set CUDA_VISIBLE_DEVICES to this actor's GPU(s); "cuda" is then the right one.
             self.gpu_ids = [str(g) for g in ray.get_gpu_ids()]
             self.batcher = Batcher()

@@ -22,6 +22,7 @@ from rayfl.actors.resources import DRIVER_CPUS, live_nodes, n_actors_for, plan_a
 from rayfl.actors.runtime import dead_nodes, start_client_actors
 from rayfl.config import UserError
 from rayfl.loop import NoCapacity
+from rayfl.plugins import Sealed
 from rayfl.progress import stderr_into
 
 
@@ -70,7 +71,7 @@ def launch(prepared, tracking: dict | None, checkpoint_dir: str | None = None,
         # the driver and the client actors start side by side (each is a process that imports torch); the
         # driver first: its MLflow work is the longest path to the first round
         driver = DriverActor.options(num_cpus=DRIVER_CPUS, **(driver_options or {})).remote(
-            light, resources, tracking, checkpoint_dir, resume)
+            Sealed(light), resources, tracking, checkpoint_dir, resume)
         with _ray_warnings_to_log():
             actors, kept = start_client_actors(light, x_ref, y_ref, resources, n_actors, actor_options)
         if on_event:

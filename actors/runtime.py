@@ -25,6 +25,7 @@ from rayfl.actors.handles import resolve
 from rayfl.actors.resources import ActorResources
 from rayfl.batch import pack
 from rayfl.loop import NoCapacity
+from rayfl.plugins import Sealed
 from rayfl.runtime import ClientsLost, Pending, SaveChain, assign_hosts, gather, group_by_host
 
 
@@ -40,8 +41,8 @@ def start_client_actors(prepared, x_ref, y_ref, resources: ActorResources, n_act
     blocks = [{c: fed.clients[c] for c in block} for block in assign_hosts(cfg.clients, n_actors)]
     actors = [ClientActor.options(**resources.options(), max_restarts=cfg.max_restarts,
                                   **(actor_options[h] if actor_options else {})).remote(
-                  cfg, prepared.model_spec, prepared.info.task, x_ref, y_ref, block, initial_ref, fed.holdout,
-                  plugins=prepared.plugins)
+                  Sealed((cfg, prepared.model_spec, prepared.info.task, block, fed.holdout, prepared.plugins)),
+                  x_ref, y_ref, initial_ref)
               for h, block in enumerate(blocks)]
     return actors, [x_ref, y_ref, initial_ref]
 
