@@ -226,6 +226,7 @@ def run_sweep(s: SweepSettings) -> tuple[dict, int]:
     # rayfl's trial records and checkpoints are on disk by then, and --resume goes on from them.
     os.environ.setdefault("TUNE_DISABLE_SIGINT_HANDLER", "1")
     check_address(s.address)
+    early = False
     if s.resume:
         where = ("--tracking-uri", "--stage-cache")  # where the resume writes may be said again
         extra = [f for f in _flags_given(s) if f not in where]
@@ -234,8 +235,17 @@ def run_sweep(s: SweepSettings) -> tuple[dict, int]:
                             f"give only --resume DIR (and --tracking-uri, --stage-cache, --address, --quiet)")
         meta = resume_meta(s)
     else:
-        meta = _new_sweep(s)
-    started = start_ray(s.address, (lambda event: None) if s.quiet else ConsoleProgress())
+        from rayfl.multinode import on_cluster
+
+        # on a cluster, connected first: how many machines it spans decides where the sweep's files go
+        early = on_cluster(s.address) and start_ray(s.address, (lambda event: None) if s.quiet else ConsoleProgress())
+        try:
+            meta = _new_sweep(s)
+        except BaseException:
+            if early:
+                shutdown_ray()
+            raise
+    started = start_ray(s.address, (lambda event: None) if s.quiet else ConsoleProgress()) or early
     try:
         code = _run(meta, s.quiet, resume=bool(s.resume))
     finally:
@@ -318,7 +328,11 @@ def _new_sweep(s: SweepSettings) -> dict:
         _search_alg("optuna", 0, 1, metric, mode)  # fails here, before anything starts, if optuna is missing
     name = s.name or f"{plan.algo}-sweep-{time.strftime('%Y%m%d-%H%M%S')}"
     check_name(name)
-    storage = os.path.abspath(s.storage_path or os.path.join(base_cfg.out_dir, "tune"))
+    from rayfl.multinode import check_store, shared_default
+
+    check_store(uri)  # trials on several machines: a tracking server, not a file
+    storage = os.path.abspath(shared_default("--storage-path", s.storage_path, "tune")
+                              or os.path.join(base_cfg.out_dir, "tune"))
     sweep_dir = os.path.join(storage, name)
     if os.path.exists(os.path.join(sweep_dir, SWEEP_FILE)):
         raise UserError(f"sweep {sweep_dir} exists; resume it with --resume {sweep_dir}, or pick another --name")
