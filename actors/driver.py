@@ -87,12 +87,13 @@ def _free() -> str:
 
 @ray.remote(max_concurrency=2)
 class DriverActor:
-    def __init__(self, prepared, resources, tracking: dict, checkpoint_dir: str | None, resume: dict | None = None):
+    def __init__(self, prepared, resources, tracking: dict, checkpoint_dir: str | None, resume: dict | None = None,
+                 wait_for_room: bool = True):
         """Started before the run's client actors (so that it gets one of the workers Ray keeps started, and
         its MLflow work begins as early as it can); ``run`` gets their handles. ``prepared`` comes sealed
         (:class:`rayfl.plugins.Sealed`): a plugin's module this node lacks is said by ``run``, in one line."""
         self.sealed, self.resources, self.tracking, self.checkpoint_dir = prepared, resources, tracking, checkpoint_dir
-        self.prepared = None
+        self.prepared, self.wait_for_room = None, wait_for_room
         self.resume = resume or {}
         self.queue = RoundQueue()
         self.loop = None
@@ -110,7 +111,7 @@ class DriverActor:
                                   if self.tracking is not None else None)  # None: benchmarks
         if tracker:
             tracker.open()  # MLflow opens in the background, while the client actors start
-        runtime = RayRuntime(self.prepared, actors, self.resources)
+        runtime = RayRuntime(self.prepared, actors, self.resources, self.wait_for_room)
         runtime.notify = self.queue.push
         try:
             wait_for_actors(runtime.actors, self.queue.push, self.prepared.cfg.capacity_wait)

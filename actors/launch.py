@@ -43,19 +43,22 @@ def launch(prepared, tracking: dict | None, checkpoint_dir: str | None = None,
     the driver's status items (``{"event": "actors", "ready": k, "total": n}``, ...). ``tracking``
     names the MLflow run to log to (None: no MLflow at all, for benchmarks that measure its cost).
 
-    A request larger than the cluster is a user error on a private local instance; on a cluster that
-    may grow (an autoscaling one we connected to) it only warns, and the actors wait for nodes."""
+    A request larger than the nodes' free room is a user error, unless the connected cluster may grow (an
+    autoscaler that can add nodes) or the user set capacity_wait: then it only warns, and the actors wait for
+    nodes. Likewise client actors lost with a node: waited for then, else their clients move to the surviving
+    actors (actors.runtime)."""
     from rayfl.loop import Loop
 
     cfg = prepared.cfg
     if checkpoint_dir:
         Loop.read_checkpoint(checkpoint_dir, cfg)  # a checkpoint of another config or version: refused here
+    wait_for_room = _waits_for_room(cfg, cluster_may_grow)
     if resources is None:
         nodes = _settled_nodes()  # each node's free resources: an actor lives on one node
         try:
             n_actors, resources = preflight(cfg, nodes)
         except UserError as e:
-            if not cluster_may_grow:
+            if not (cluster_may_grow and wait_for_room):  # no autoscaler to wait for, nor a wait asked for
                 raise
             print(f"rayfl: waiting for the autoscaler: {e}", flush=True)
             n_actors = n_actors_for(cfg, nodes)
@@ -71,7 +74,7 @@ def launch(prepared, tracking: dict | None, checkpoint_dir: str | None = None,
         # the driver and the client actors start side by side (each is a process that imports torch); the
         # driver first: its MLflow work is the longest path to the first round
         driver = DriverActor.options(num_cpus=DRIVER_CPUS, **(driver_options or {})).remote(
-            Sealed(light), resources, tracking, checkpoint_dir, resume)
+            Sealed(light), resources, tracking, checkpoint_dir, resume, wait_for_room)
         with _ray_warnings_to_log():
             actors, kept = start_client_actors(light, x_ref, y_ref, resources, n_actors, actor_options)
         if on_event:
@@ -105,6 +108,15 @@ def launch(prepared, tracking: dict | None, checkpoint_dir: str | None = None,
     _close_failed(tracking, run_id, attempt)
     raise DriverLost(f"the driver actor died {cfg.max_restarts + 1} times (max_restarts={cfg.max_restarts}); "
                      f"last: {_first_line(lost)}") from lost
+
+
+def _waits_for_room(cfg, cluster_may_grow: bool) -> bool:
+    """Whether client actors lost with a node wait for room (capacity_wait) rather than their clients moving to
+    the surviving actors: when an autoscaler can add a node, or when the user set capacity_wait."""
+    from rayfl.config import Config
+    from rayfl.multinode import can_grow
+
+    return cfg.capacity_wait != Config.capacity_wait or (cluster_may_grow and can_grow())
 
 
 def _settled_nodes(settle: float = SETTLE_SECONDS, steady: float = 1.5) -> list[dict]:
@@ -157,6 +169,9 @@ def _follow(driver, actors: list, seen: dict, on_round, on_event, poll_seconds: 
                     print(f"rayfl: client actor lost in round {rec['step'] + 1} ({rec['cause']}); restarted, every "
                           f"client restored to round {rec['from_step'] + 1} and replayed "
                           f"(restart {rec['restarts']} of at most {rec['max_restarts']})", file=sys.stderr, flush=True)
+                elif rec.get("event") == "rehost":
+                    print(f"rayfl: {rec['what']}, and no room for them: their clients move to the surviving "
+                          f"client actors", file=sys.stderr, flush=True)
                 elif rec.get("event") == "waiting_for_room":
                     print(f"rayfl: {rec['what']}; waiting up to {rec['seconds']:g}s for room (capacity_wait)",
                           file=sys.stderr, flush=True)

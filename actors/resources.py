@@ -121,11 +121,14 @@ def _on_node(node: dict, cpus: float, gpus: float, driver: float = 0.0, memory: 
     return max(0, n)
 
 
-def capacity(cluster, cpus: float, gpus: float, memory: bool = True) -> int:
+def capacity(cluster, cpus: float, gpus: float, memory: bool = True, driver: bool = True) -> int:
     """Actors of one size that the nodes hold together with the driver's share, wherever Ray puts the driver
-    (on the node where it costs the most actors); 0 when no node has room for the driver."""
+    (on the node where it costs the most actors); 0 when no node has room for the driver. ``driver=False``:
+    the driver already runs (its share is not free)."""
     nodes = nodes_of(cluster)
     alone = [_on_node(n, cpus, gpus, 0.0, memory) for n in nodes]
+    if not driver:
+        return sum(alone)
     beside = [_on_node(n, cpus, gpus, DRIVER_CPUS, memory) for n in nodes]
     costs = [a - b for a, b in zip(alone, beside) if b >= 0]
     return sum(alone) - max(costs) if costs else 0

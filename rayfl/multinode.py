@@ -60,3 +60,33 @@ def on_cluster(address: str | None) -> bool:
     """Whether the run goes to a cluster (an address given, or in RAY_ADDRESS) rather than a private instance."""
     address = address or os.environ.get("RAY_ADDRESS")
     return bool(address) and address != "local"
+
+
+BOOTSTRAP_CONFIG = "~/ray_bootstrap_config.yaml"  # where `ray up` leaves the cluster's config on the head
+
+
+def can_grow(path: str = BOOTSTRAP_CONFIG) -> bool:
+    """Whether an autoscaler may add nodes to the connected cluster: the launcher's config on this machine (the
+    head, where a job's entrypoint runs) names a provider that launches machines (not ``local``: a fixed
+    list) with room for more workers than are up. Where no such config is seen (a run submitted with
+    ``--address`` from another machine), False."""
+    import yaml
+
+    file = os.path.expanduser(path)
+    if not os.path.isfile(file):
+        return False
+    try:
+        with open(file) as f:
+            cfg = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError):
+        return False
+    if not isinstance(cfg, dict) or (cfg.get("provider") or {}).get("type") in (None, "local"):
+        return False
+    most = cfg.get("max_workers")
+    if not isinstance(most, int):
+        types = cfg.get("available_node_types") or {}
+        most = sum(int(t.get("max_workers", 0) or 0) for t in types.values() if isinstance(t, dict))
+    import ray
+
+    workers = max(0, sum(1 for n in ray.nodes() if n.get("Alive")) - 1) if ray.is_initialized() else 0
+    return workers < most
