@@ -173,9 +173,10 @@ class RayRuntime:
         self.saves.reset(saved)
 
     def await_actors(self) -> None:
-        """Wait while Ray restarts dead actors (a call meanwhile fails with ActorUnavailableError), at most
-        ``capacity_wait`` seconds for them to be placed: an actor lost with its node waits for room on another
-        node, which may never come (then NoCapacity, naming the lost node). Their clients are built after."""
+        """Wait while Ray restarts dead actors (a call meanwhile fails with ActorUnavailableError). An actor lost
+        with its node and no room for it on the live nodes: re-hosted (:meth:`rehost`), unless ``wait_for_room``:
+        then waited for at most ``capacity_wait`` seconds, for room that may never come (then NoCapacity, naming
+        the lost node). Their clients are built after."""
         start = time.monotonic()
         deadline, told = start + self.capacity_wait, False
         pending = {h: a.__ray_ready__.remote() for h, a in enumerate(self.actors)}
@@ -187,7 +188,7 @@ class RayRuntime:
                     for h in gone:
                         del pending[h]
                     continue
-            if not told and time.monotonic() - start > NOTICE_AFTER:  # not a quick restart: say what it waits for
+            if not told and self.wait_for_room and time.monotonic() - start > NOTICE_AFTER:  # say what it waits for
                 self.notify({"event": "waiting_for_room", "what": self._lost_text(sorted(pending)),
                              "seconds": self.capacity_wait})
                 told = True

@@ -8,7 +8,11 @@ as it is registered: a mistake is one line before Ray starts.
 
 Ray runs the work in other processes. What was registered here travels with the run (:func:`carried`, inside
 what the driver, the client actors and a sweep's trials receive) and is registered there when it arrives; a
-module loaded from a file is not importable there, so its classes are pickled by value. A run directory
+module loaded from a file is not importable there, so its classes are pickled by value, and so are the modules
+this process imported from a plugin's folder (its helpers: a plugin file's folder is put on ``sys.path`` as a
+script's is). The actors' arguments travel :class:`Sealed`: a module a node still lacks (imported from
+elsewhere) is one line naming it and the node, from the actor's first call, not an actor that dies while Ray
+reads its arguments. A run directory
 records which plugins were loaded (paths and module names, never code), for ``--resume``
 (:func:`write_record`, :func:`reload_recorded`); :func:`loaded_sources` is the list a cluster's runtime
 environment would ship.

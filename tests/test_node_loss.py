@@ -277,6 +277,20 @@ def test_with_no_room_left_the_lost_clients_move_to_the_surviving_actors_and_the
     print(f"{algo}: ended {ended - when[0]:.1f}s after the loss")
 
 
+def test_default_sizing_places_every_actor_on_one_cpu_workers(cluster):
+    """No --cpus-per-actor, no --clients-per-actor: a 0-CPU head and 1-CPU workers get one actor per worker,
+    each sized to fit its node beside the driver's share (a cluster-wide share would leave one unplaced)."""
+    values = {k: v for k, v in BASE.items() if k not in ("cpus_per_actor", "clients_per_actor")}
+    args = [*flags({**values, "algo": "fedavg", "clients": 4, "rounds": 2, "capacity_wait": 30}),
+            "--tracking-uri", cluster["uri"], "--experiment", "node-loss", "--run-name", "default-sizing",
+            "--out-dir", f"{cluster['root']}/runs"]
+    rc, out, err = rayfl(cluster, args)
+    assert rc == 0, f"{out[-3000:]}\n{err[-3000:]}"
+    final, _ = logged_final(cluster, "default-sizing")
+    assert_equal_finals(final, uninterrupted_final({"algo": "fedavg", "clients": 4, "rounds": 2,
+                                                    "clients_per_actor": 1}))  # one host per client, as placed
+
+
 class NoRoomRuntime(LocalRuntime):
     """In-process clients whose hosts are lost at client call ``at`` and never come back (restoring finds no
     room), as RayRuntime does when a lost node's actors get no room within capacity_wait."""
