@@ -63,3 +63,26 @@ def test_a_sqlite_store_keeps_artifacts_beside_its_database(tmp_path, monkeypatc
     src.write_text("x")
     client.log_artifact(run.info.run_id, str(src))
     assert list((store / "mlruns").rglob("a.txt")) and not os.listdir(elsewhere)
+
+
+def test_only_a_launcher_config_with_room_for_more_workers_can_grow(tmp_path):
+    """Lost actors wait for room (capacity_wait) only where an autoscaler can add a node: a cloud provider's
+    config with max_workers above the workers up; a fixed on-premises list (provider local) cannot grow."""
+    from rayfl.multinode import can_grow
+
+    path = tmp_path / "ray_bootstrap_config.yaml"
+    assert not can_grow(str(path))  # no launcher config here (a run submitted from elsewhere)
+    path.write_text("provider: {type: local, head_ip: 10.0.0.10, worker_ips: [10.0.0.11]}\n")
+    assert not can_grow(str(path))
+    path.write_text("provider: {type: aws}\nmax_workers: 6\n")
+    assert can_grow(str(path))
+    path.write_text("provider: {type: aws}\nmax_workers: 0\n")
+    assert not can_grow(str(path))
+
+
+def test_a_capacity_wait_the_user_set_waits_for_room():
+    from rayfl.actors.launch import _waits_for_room
+    from rayfl.config import make_config
+
+    assert not _waits_for_room(make_config(None, {}), cluster_may_grow=False)
+    assert _waits_for_room(make_config(None, {"capacity_wait": 30}), cluster_may_grow=False)
