@@ -72,7 +72,7 @@ def test_only_a_launcher_config_with_room_for_more_workers_can_grow(tmp_path):
 
     path = tmp_path / "ray_bootstrap_config.yaml"
     assert not can_grow(str(path))  # no launcher config here (a run submitted from elsewhere)
-    path.write_text("provider: {type: local, head_ip: 10.0.0.10, worker_ips: [10.0.0.11]}\n")
+    path.write_text("provider: {type: local, head_ip: 10.0.0.10, worker_ips: [10.0.0.11]}\nmax_workers: 1\n")
     assert not can_grow(str(path))
     path.write_text("provider: {type: aws}\nmax_workers: 6\n")
     assert can_grow(str(path))
