@@ -5,6 +5,10 @@ materialized, a warm-up step), so that ``__ray_ready__`` answers as soon as Ray 
 started its process. Whoever waits for room on the cluster (``capacity_wait``) then waits for placement
 only, not for the clients' start, which a fixed bound would cut short on a loaded machine.
 
+An actor can also take over the clients of another actor lost with its node (:meth:`ClientActor.adopt`): they
+stay a host of their own (the runtime's host index ``host`` in every call), so that the run's partial sums are
+grouped as before and its results do not change.
+
 Every answer carries the actor's ``token``, drawn anew in each process Ray starts for it: a call that
 reached a restarted actor (its clients back at their initial state) is told apart from one that reached
 the actor the runtime last loaded, even when no call failed in between.
@@ -19,54 +23,73 @@ import ray
 
 @ray.remote
 class ClientActor:
-    def __init__(self, cfg, model_spec, task, x, y, client_data: dict, initial, holdout=None, plugins=None):
-        # plugins: the run's registrations from outside the package (rayfl.plugins.Plugins), registered in this
-        # process as the arguments arrive: the algorithm is looked up by name when the clients are built
+    def __init__(self, sealed, x, y, initial):
+        # sealed (rayfl.plugins.Sealed): (cfg, model_spec, task, client_data, holdout, plugins), pickled apart so
+        # that a plugin's module this node lacks is one line from the first call, not an actor that dies while
+        # Ray reads its arguments and is restarted to die again. plugins: the run's registrations from outside
+        # the package (rayfl.plugins.Plugins), registered in this process as they are read
         self.token = uuid.uuid4().hex
-        self._args = (cfg, model_spec, task, x, y, client_data, initial, holdout)
+        self._args = (sealed, x, y, initial)
         self._host = None
+        self._adopted: dict[int, object] = {}  # host index -> the ClientHost of clients taken over
 
-    def _built(self):
-        """The clients' host, built on the first call."""
+    def _built(self, host: int | None = None):
+        """The clients' host, built on the first call; ``host``: one adopted under that index."""
         if self._host is None:
             import torch
 
-            from rayfl.actors.handles import Batcher, resolve
-            from rayfl.algorithms import get_algorithm
-            from rayfl.host import ClientHost
+            from rayfl.actors.handles import Batcher
 
-            cfg, model_spec, task, x, y, client_data, initial, holdout = self._args
+            sealed, x, y, initial = self._args
+            cfg, model_spec, task, client_data, holdout, _plugins = sealed.open()  # UserError: a module missing
             # Ray has set CUDA_VISIBLE_DEVICES to this actor's GPU(s); "cuda" is then the right one.
             self.gpu_ids = [str(g) for g in ray.get_gpu_ids()]
             self.batcher = Batcher()
-            device = "cuda" if self.gpu_ids and torch.cuda.is_available() else "cpu"
-            self._host = ClientHost(cfg, get_algorithm(cfg.algo), model_spec, task, x, y, client_data, initial,
-                                    device=device, share=self.batcher.share, resolve=resolve, holdout=holdout)
-            self.batcher.flush()
+            self.device = "cuda" if self.gpu_ids and torch.cuda.is_available() else "cpu"
+            self._made = (cfg, model_spec, task, x, y, initial, holdout)
+            self._host = self._new_host(client_data)
             self._args = None
-        return self._host
+        return self._host if host is None else self._adopted[host]
 
-    def run(self, step: str, packed: tuple, reduce=None) -> tuple[str, tuple]:
+    def _new_host(self, client_data: dict):
+        from rayfl.actors.handles import resolve
+        from rayfl.algorithms import get_algorithm
+        from rayfl.host import ClientHost
+
+        cfg, model_spec, task, x, y, initial, holdout = self._made
+        host = ClientHost(cfg, get_algorithm(cfg.algo), model_spec, task, x, y, client_data, initial,
+                          device=self.device, share=self.batcher.share, resolve=resolve, holdout=holdout)
+        self.batcher.flush()
+        return host
+
+    def adopt(self, host: int, sealed) -> str:
+        """Take over the clients ``sealed`` holds (a lost actor's) as host ``host``, at their initial state: the
+        runtime loads their snapshot next."""
+        self._built()
+        self._adopted[host] = self._new_host(sealed.open())
+        return self.token
+
+    def run(self, step: str, packed: tuple, reduce=None, host: int | None = None) -> tuple[str, tuple]:
         from rayfl.batch import unpack
 
-        out = self._built().run(step, unpack(packed), reduce)
+        out = self._built(host).run(step, unpack(packed), reduce)
         self.batcher.flush()  # one object for every vector this call's clients shared
         return self.token, out
 
-    def state(self) -> tuple[str, dict]:
-        return self.token, self._built().state()
+    def state(self, host: int | None = None) -> tuple[str, dict]:
+        return self.token, self._built(host).state()
 
-    def save(self, full: bool) -> tuple[str, dict]:
-        return self.token, self._built().save(full)
+    def save(self, full: bool, host: int | None = None) -> tuple[str, dict]:
+        return self.token, self._built(host).save(full)
 
-    def load_state(self, *states: dict) -> str:
-        self._built().load_state(*states)
+    def load_state(self, *states: dict, host: int | None = None) -> str:
+        self._built(host).load_state(*states)
         return self.token
 
-    def vectors(self) -> tuple[str, dict]:
-        return self.token, self._built().vectors()
+    def vectors(self, host: int | None = None) -> tuple[str, dict]:
+        return self.token, self._built(host).vectors()
 
-    def info(self) -> dict:
-        host = self._built()
+    def info(self, host: int | None = None) -> dict:
+        built = self._built(host)
         ctx = ray.get_runtime_context()
-        return {"node_id": ctx.get_node_id(), "gpu_ids": self.gpu_ids, "token": self.token, **host.info()}
+        return {"node_id": ctx.get_node_id(), "gpu_ids": self.gpu_ids, "token": self.token, **built.info()}

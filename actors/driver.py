@@ -68,7 +68,14 @@ def wait_for_actors(actors: list, report, timeout: float, every: float = 1.0) ->
     while pending:
         done, pending = ray.wait(pending, num_returns=len(pending), timeout=every)
         if done:
-            ray.get(done)
+            try:
+                ray.get(done)
+            except ray.exceptions.RayTaskError as e:  # e.g. a plugin's module missing on an actor's node
+                from rayfl.user_input import UserError
+
+                if isinstance(e.cause, UserError):
+                    raise UserError(str(e.cause)) from None
+                raise
             ready += len(done)
             report({"event": "actors", "ready": ready, "total": total})
 
@@ -80,10 +87,13 @@ def _free() -> str:
 
 @ray.remote(max_concurrency=2)
 class DriverActor:
-    def __init__(self, prepared, resources, tracking: dict, checkpoint_dir: str | None, resume: dict | None = None):
+    def __init__(self, prepared, resources, tracking: dict, checkpoint_dir: str | None, resume: dict | None = None,
+                 wait_for_room: bool = True):
         """Started before the run's client actors (so that it gets one of the workers Ray keeps started, and
-        its MLflow work begins as early as it can); ``run`` gets their handles."""
-        self.prepared, self.resources, self.tracking, self.checkpoint_dir = prepared, resources, tracking, checkpoint_dir
+        its MLflow work begins as early as it can); ``run`` gets their handles. ``prepared`` comes sealed
+        (:class:`rayfl.plugins.Sealed`): a plugin's module this node lacks is said by ``run``, in one line."""
+        self.sealed, self.resources, self.tracking, self.checkpoint_dir = prepared, resources, tracking, checkpoint_dir
+        self.prepared, self.wait_for_room = None, wait_for_room
         self.resume = resume or {}
         self.queue = RoundQueue()
         self.loop = None
@@ -96,11 +106,12 @@ class DriverActor:
         from rayfl.loop import Loop, NoCapacity
         from rayfl.tracking import MlflowTracker
 
+        self.prepared = self.sealed.open()  # UserError: a module of a plugin missing on this node
         tracker = self.tracker = (MlflowTracker(**self.tracking, run_id=self.resume.get("run_id"))
                                   if self.tracking is not None else None)  # None: benchmarks
         if tracker:
             tracker.open()  # MLflow opens in the background, while the client actors start
-        runtime = RayRuntime(self.prepared, actors, self.resources)
+        runtime = RayRuntime(self.prepared, actors, self.resources, self.wait_for_room)
         runtime.notify = self.queue.push
         try:
             wait_for_actors(runtime.actors, self.queue.push, self.prepared.cfg.capacity_wait)

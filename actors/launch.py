@@ -18,15 +18,17 @@ from typing import Callable
 import ray
 
 from rayfl.actors.driver import DriverActor
-from rayfl.actors.resources import DRIVER_CPUS, n_actors_for, plan_actor_resources, preflight
+from rayfl.actors.resources import DRIVER_CPUS, live_nodes, n_actors_for, plan_actor_resources, preflight
 from rayfl.actors.runtime import dead_nodes, start_client_actors
 from rayfl.config import UserError
 from rayfl.divergence import Diverged
 from rayfl.loop import NoCapacity
+from rayfl.plugins import Sealed
 from rayfl.progress import stderr_into
 
 
 DRIVER_START_SECONDS = 120  # a driver actor answers its first poll once started (MLflow, torch imports)
+SETTLE_SECONDS = 15.0  # how long the CPUs of actors just killed may take to show as free again
 
 
 class DriverLost(RuntimeError):
@@ -42,24 +44,28 @@ def launch(prepared, tracking: dict | None, checkpoint_dir: str | None = None,
     the driver's status items (``{"event": "actors", "ready": k, "total": n}``, ...). ``tracking``
     names the MLflow run to log to (None: no MLflow at all, for benchmarks that measure its cost).
 
-    A request larger than the cluster is a user error on a private local instance; on a cluster that
-    may grow (an autoscaling one we connected to) it only warns, and the actors wait for nodes."""
+    A request larger than the nodes' free room is a user error, unless the connected cluster may grow (an
+    autoscaler that can add nodes) or the user set capacity_wait: then it only warns, and the actors wait for
+    nodes. Likewise client actors lost with a node: waited for then, else their clients move to the surviving
+    actors (actors.runtime)."""
     from rayfl.loop import Loop
 
     cfg = prepared.cfg
     if checkpoint_dir:
         Loop.read_checkpoint(checkpoint_dir, cfg)  # a checkpoint of another config or version: refused here
+    wait_for_room = _waits_for_room(cfg, cluster_may_grow)
     if resources is None:
+        nodes = _settled_nodes()  # each node's free resources: an actor lives on one node
         try:
-            n_actors, resources = preflight(cfg, ray.cluster_resources())
+            n_actors, resources = preflight(cfg, nodes)
         except UserError as e:
-            if not cluster_may_grow:
+            if not (cluster_may_grow and wait_for_room):  # no autoscaler to wait for, nor a wait asked for
                 raise
             print(f"rayfl: waiting for the autoscaler: {e}", flush=True)
-            n_actors = n_actors_for(cfg, ray.cluster_resources())
-            resources = plan_actor_resources(cfg, n_actors, ray.cluster_resources())
+            n_actors = n_actors_for(cfg, nodes)
+            resources = plan_actor_resources(cfg, n_actors, nodes)
     else:
-        n_actors = len(actor_options) if actor_options else n_actors_for(cfg, ray.cluster_resources())
+        n_actors = len(actor_options) if actor_options else n_actors_for(cfg, live_nodes())
     ds = prepared.dataset
     x_ref, y_ref = ray.put(ds.x), ray.put(ds.y)
     light = dataclasses.replace(prepared, dataset=dataclasses.replace(ds, x=None, y=None))
@@ -69,7 +75,7 @@ def launch(prepared, tracking: dict | None, checkpoint_dir: str | None = None,
         # the driver and the client actors start side by side (each is a process that imports torch); the
         # driver first: its MLflow work is the longest path to the first round
         driver = DriverActor.options(num_cpus=DRIVER_CPUS, **(driver_options or {})).remote(
-            light, resources, tracking, checkpoint_dir, resume)
+            Sealed(light), resources, tracking, checkpoint_dir, resume, wait_for_room)
         with _ray_warnings_to_log():
             actors, kept = start_client_actors(light, x_ref, y_ref, resources, n_actors, actor_options)
         if on_event:
@@ -103,6 +109,30 @@ def launch(prepared, tracking: dict | None, checkpoint_dir: str | None = None,
     _close_failed(tracking, run_id, attempt)
     raise DriverLost(f"the driver actor died {cfg.max_restarts + 1} times (max_restarts={cfg.max_restarts}); "
                      f"last: {_first_line(lost)}") from lost
+
+
+def _waits_for_room(cfg, cluster_may_grow: bool) -> bool:
+    """Whether client actors lost with a node wait for room (capacity_wait) rather than their clients moving to
+    the surviving actors: when an autoscaler can add a node, or when the user set capacity_wait."""
+    from rayfl.config import Config
+    from rayfl.multinode import can_grow
+
+    return cfg.capacity_wait != Config.capacity_wait or (cluster_may_grow and can_grow())
+
+
+def _settled_nodes(settle: float = SETTLE_SECONDS, steady: float = 1.5) -> list[dict]:
+    """Each live node's free resources once they settle: the actors of a run that just ended give their CPUs
+    back a moment after they are killed, so a node short of its total is read again until it is whole, or
+    unchanged for ``steady`` seconds (someone else's work), or ``settle`` seconds have passed."""
+    total = live_nodes(free=False)
+    t0 = time.monotonic()
+    nodes, since = live_nodes(), time.monotonic()
+    while nodes != total and time.monotonic() - t0 < settle and time.monotonic() - since < steady:
+        time.sleep(0.25)
+        now = live_nodes()
+        if now != nodes:
+            nodes, since = now, time.monotonic()
+    return nodes
 
 
 @contextmanager
@@ -140,6 +170,9 @@ def _follow(driver, actors: list, seen: dict, on_round, on_event, poll_seconds: 
                     print(f"rayfl: client actor lost in round {rec['step'] + 1} ({rec['cause']}); restarted, every "
                           f"client restored to round {rec['from_step'] + 1} and replayed "
                           f"(restart {rec['restarts']} of at most {rec['max_restarts']})", file=sys.stderr, flush=True)
+                elif rec.get("event") == "rehost":
+                    print(f"rayfl: {rec['what']}, and no room for them: their clients move to the surviving "
+                          f"client actors", file=sys.stderr, flush=True)
                 elif rec.get("event") == "waiting_for_room":
                     print(f"rayfl: {rec['what']}; waiting up to {rec['seconds']:g}s for room (capacity_wait)",
                           file=sys.stderr, flush=True)

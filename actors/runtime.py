@@ -9,8 +9,12 @@ What must outlive a node: a snapshot's client states are copied into this (the d
 round they belong to is done (:meth:`keep_clients`), but those made on the driver's own node; the return value of an actor call lives in the object
 store of the actor's node, and is gone with it. The actors' constructor arguments are passed by value, or
 are the submitter's ``ray.put`` objects (the data, the initial model), held where the submitter runs.
-A lost actor that finds no room is waited for ``capacity_wait`` seconds (an autoscaler may add a node),
-then the run ends with :class:`~rayfl.loop.NoCapacity`.
+A lost actor with no room left for it on the live nodes is not waited for when the cluster cannot grow: its
+clients move to the surviving actors (:meth:`RayRuntime.rehost`), each lost host kept whole as a host of its
+own inside one survivor (its partial sums unchanged, so the run's results are too), restored from the snapshot
+and replayed like any other loss. With ``wait_for_room`` (an autoscaler that can add a node, or a
+``capacity_wait`` the user set) it is waited for ``capacity_wait`` seconds, then the run ends with
+:class:`~rayfl.loop.NoCapacity`.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from rayfl.actors.handles import resolve
 from rayfl.actors.resources import ActorResources
 from rayfl.batch import pack
 from rayfl.loop import NoCapacity
+from rayfl.plugins import Sealed
 from rayfl.runtime import ClientsLost, Pending, SaveChain, assign_hosts, gather, group_by_host
 
 
@@ -40,8 +45,8 @@ def start_client_actors(prepared, x_ref, y_ref, resources: ActorResources, n_act
     blocks = [{c: fed.clients[c] for c in block} for block in assign_hosts(cfg.clients, n_actors)]
     actors = [ClientActor.options(**resources.options(), max_restarts=cfg.max_restarts,
                                   **(actor_options[h] if actor_options else {})).remote(
-                  cfg, prepared.model_spec, prepared.info.task, x_ref, y_ref, block, initial_ref, fed.holdout,
-                  plugins=prepared.plugins)
+                  Sealed((cfg, prepared.model_spec, prepared.info.task, block, fed.holdout, prepared.plugins)),
+                  x_ref, y_ref, initial_ref)
               for h, block in enumerate(blocks)]
     return actors, [x_ref, y_ref, initial_ref]
 
@@ -49,13 +54,17 @@ def start_client_actors(prepared, x_ref, y_ref, resources: ActorResources, n_act
 class RayRuntime:
     pipelined = True  # the clients run the next round's first call while the driver reports a round
 
-    def __init__(self, prepared, actors: list, resources: ActorResources):
-        """Over client actors from :func:`start_client_actors` (for the same ``prepared``)."""
+    def __init__(self, prepared, actors: list, resources: ActorResources, wait_for_room: bool = True):
+        """Over client actors from :func:`start_client_actors` (for the same ``prepared``); ``wait_for_room``:
+        whether a lost actor with no room is waited for (capacity_wait) rather than its clients re-hosted."""
         blocks = assign_hosts(prepared.cfg.clients, len(actors))
         self.host_of = {c: h for h, block in enumerate(blocks) for c in block}
+        self.client_data = prepared.federation.clients  # to build a lost host's clients again elsewhere
         self.resources = resources
         self.capacity_wait = prepared.cfg.capacity_wait
-        self.actors = list(actors)
+        self.wait_for_room = wait_for_room
+        self.actors = list(actors)  # host index -> the actor that holds it (a survivor may hold several)
+        self.keys: list[int | None] = [None] * len(self.actors)  # None: the actor's own host; h: adopted as h
         self.tokens: list[str | None] = [None] * len(self.actors)  # each actor's process, as last loaded
         self.nodes: list[str | None] = [None] * len(self.actors)  # where each actor was last seen
         self.saves = SaveChain()
@@ -84,7 +93,7 @@ class RayRuntime:
 
     def submit(self, step, messages, reduce=None):
         batches = group_by_host(messages, self.host_of)
-        refs = [self.actors[h].run.remote(step, pack(items), reduce) for h, items in batches.items()]
+        refs = [self.actors[h].run.remote(step, pack(items), reduce, self.keys[h]) for h, items in batches.items()]
 
         def wait():
             with clients_lost():
@@ -102,18 +111,18 @@ class RayRuntime:
 
     def client_states(self):
         with clients_lost():
-            parts = self._values(list(range(len(self.actors))), ray.get([a.state.remote() for a in self.actors]))
+            parts = self._values(list(range(len(self.actors))), ray.get([a.state.remote(host=k) for a, k in self._hosts()]))
         return {cid: blob for part in parts for cid, blob in part.items()}
 
     def load_client_states(self, states):
         with clients_lost():
-            tokens = ray.get([a.load_state.remote({c: s for c, s in states.items() if self.host_of[c] == h})
-                              for h, a in enumerate(self.actors)])
+            tokens = ray.get([a.load_state.remote({c: s for c, s in states.items() if self.host_of[c] == h}, host=k)
+                              for h, (a, k) in enumerate(self._hosts())])
         self.tokens = list(tokens)  # the clients now are what was loaded, in these processes
 
     def client_vectors(self):
         with clients_lost():
-            parts = self._values(list(range(len(self.actors))), ray.get([a.vectors.remote() for a in self.actors]))
+            parts = self._values(list(range(len(self.actors))), ray.get([a.vectors.remote(host=k) for a, k in self._hosts()]))
         return {cid: v for part in parts for cid, v in part.items()}
 
     # --- snapshots --------------------------------------------------------------------------------
@@ -121,7 +130,7 @@ class RayRuntime:
         """One call per actor, not waited for; :meth:`keep_clients` copies the results here once the round
         is done (until then they live on the actors' nodes)."""
         full = self.saves.next_is_full()
-        return self.saves.add([a.save.remote(full) for a in self.actors], full)
+        return self.saves.add([a.save.remote(full, host=k) for a, k in self._hosts()], full)
 
     def keep_clients(self, saved) -> None:
         """Make a snapshot outlive any client node: every save of the chain still in the object store is
@@ -158,20 +167,28 @@ class RayRuntime:
             # kept snapshots only (keep_clients): the states go by value, from this process
             chains = [SaveChain.of_host(saved, h) for h in range(len(self.actors))]
             states = iter(LocalSave.values([part for chain in chains for part in chain]))
-            tokens = ray.get([a.load_state.remote(*[next(states) for _ in chain])
-                              for a, chain in zip(self.actors, chains)])
+            tokens = ray.get([a.load_state.remote(*[next(states) for _ in chain], host=k)
+                              for (a, k), chain in zip(self._hosts(), chains)])
         self.tokens = list(tokens)
         self.saves.reset(saved)
 
     def await_actors(self) -> None:
-        """Wait while Ray restarts dead actors (a call meanwhile fails with ActorUnavailableError), at most
-        ``capacity_wait`` seconds for them to be placed: an actor lost with its node waits for room on another
-        node, which may never come (then NoCapacity, naming the lost node). Their clients are built after."""
+        """Wait while Ray restarts dead actors (a call meanwhile fails with ActorUnavailableError). An actor lost
+        with its node and no room for it on the live nodes: re-hosted (:meth:`rehost`), unless ``wait_for_room``:
+        then waited for at most ``capacity_wait`` seconds, for room that may never come (then NoCapacity, naming
+        the lost node). Their clients are built after."""
         start = time.monotonic()
         deadline, told = start + self.capacity_wait, False
         pending = {h: a.__ray_ready__.remote() for h, a in enumerate(self.actors)}
         while pending:
-            if not told and time.monotonic() - start > NOTICE_AFTER:  # not a quick restart: say what it waits for
+            if not self.wait_for_room and time.monotonic() - start > ROOM_CHECK_AFTER:
+                gone = self._gone(pending)
+                if gone and self._no_room(gone):
+                    self.rehost(gone)
+                    for h in gone:
+                        del pending[h]
+                    continue
+            if not told and self.wait_for_room and time.monotonic() - start > NOTICE_AFTER:  # say what it waits for
                 self.notify({"event": "waiting_for_room", "what": self._lost_text(sorted(pending)),
                              "seconds": self.capacity_wait})
                 told = True
@@ -186,10 +203,10 @@ class RayRuntime:
                 except ray.exceptions.ActorUnavailableError:  # restarting: ask again
                     pending[h] = self.actors[h].__ray_ready__.remote()
             if pending and time.monotonic() >= deadline:
-                raise NoCapacity(self._no_room(sorted(pending)))
+                raise NoCapacity(self._no_room_text(sorted(pending)))
             if pending and ready:
                 time.sleep(0.2)
-        for h, info in enumerate(ray.get([a.info.remote() for a in self.actors])):
+        for h, info in enumerate(ray.get([a.info.remote(host=k) for a, k in self._hosts()])):
             self.nodes[h] = info["node_id"]
 
     def _lost_text(self, hosts: list[int]) -> str:
@@ -200,12 +217,51 @@ class RayRuntime:
         return (f"client actor(s) {', '.join(map(str, hosts))} (clients {_ranges(clients)}, "
                 f"{self.resources.num_cpus:g} CPU and {self.resources.num_gpus:g} GPU each) {where}")
 
-    def _no_room(self, hosts: list[int]) -> str:
+    def _no_room_text(self, hosts: list[int]) -> str:
         return f"{self._lost_text(hosts)}; no room for them came up within capacity_wait={self.capacity_wait:g}s"
+
+    def _gone(self, pending) -> list[int]:
+        """Those of the ``pending`` hosts whose actor's node has left the cluster (an actor whose process died
+        on a live node gets that node's room back, and Ray restarts it there)."""
+        lost = set(dead_nodes({self.nodes[h] for h in pending if self.nodes[h]}))
+        return sorted(h for h in pending if self.nodes[h] in lost)
+
+    def _no_room(self, hosts: list[int]) -> bool:
+        """Whether the live nodes lack the free room for the actors of ``hosts`` (Ray would place them)."""
+        from rayfl.actors.resources import capacity, live_nodes
+
+        lost = {id(self.actors[h]) for h in hosts}
+        return capacity(live_nodes(), self.resources.num_cpus, self.resources.num_gpus, driver=False) < len(lost)
+
+    def _hosts(self) -> list[tuple]:
+        """(actor, key) of every host, in host order: the key names an adopted host in its actor's calls."""
+        return list(zip(self.actors, self.keys))
+
+    def rehost(self, lost: list[int]) -> None:
+        """Move the hosts ``lost`` (their actors being restarted with no room for them) into the surviving actors,
+        each whole into the survivor with the fewest clients, at their initial state (restore_clients loads the
+        snapshot next); the lost actors are ended, so that Ray stops trying to place them."""
+        dead = {id(self.actors[h]): self.actors[h] for h in lost}
+        alive = [h for h in range(len(self.actors)) if id(self.actors[h]) not in dead]
+        if not alive:
+            raise NoCapacity(self._lost_text(lost) + "; no client actor survived to take their clients")
+        self.notify({"event": "rehost", "what": self._lost_text(lost)})
+        for actor in dead.values():
+            ray.kill(actor, no_restart=True)
+        load: dict[int, list] = {}
+        for h in alive:
+            entry = load.setdefault(id(self.actors[h]), [self.actors[h], 0, h])
+            entry[1] += sum(1 for c, hh in self.host_of.items() if hh == h)
+        for h in [h for h in range(len(self.actors)) if id(self.actors[h]) in dead]:
+            entry = min(load.values(), key=lambda e: (e[1], e[2]))
+            block = {c: self.client_data[c] for c, hh in sorted(self.host_of.items()) if hh == h}
+            self.tokens[h] = ray.get(entry[0].adopt.remote(h, Sealed(block)))
+            self.actors[h], self.keys[h], self.nodes[h] = entry[0], h, self.nodes[entry[2]]
+            entry[1] += len(block)
 
     # --- the rest ---------------------------------------------------------------------------------
     def placement(self):
-        infos = ray.get([a.info.remote() for a in self.actors])
+        infos = ray.get([a.info.remote(host=k) for a, k in self._hosts()])
         for h, info in enumerate(infos):
             self.nodes[h] = info["node_id"]
             self._same(h, info["token"])
@@ -214,7 +270,7 @@ class RayRuntime:
                 for h, info in enumerate(infos)]
 
     def shutdown(self):
-        for a in self.actors:
+        for a in {id(a): a for a in self.actors}.values():
             ray.kill(a)
         self.actors = []
 
@@ -238,6 +294,8 @@ def _ranges(ids: list[int]) -> str:
 
 
 NOTICE_AFTER = 3.0  # seconds of waiting for a restarted actor before the submitter is told what it waits for
+ROOM_CHECK_AFTER = 1.0  # seconds a restarted actor may take to be placed before the free room is looked at
+
 class LocalSave:
     """A client actor's save left in the object store of the driver's node, with the token of the process it
     was asked of: restoring from it checks that the same process made it (not one Ray restarted meanwhile,

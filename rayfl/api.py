@@ -269,6 +269,9 @@ def run_config(cfg: Config | None, *, resume: str | None = None, address: str | 
         from rayfl.actors.launch import launch
 
         if address or os.environ.get("RAY_ADDRESS"):  # the driver opens the store on the cluster: ask there
+            from rayfl.multinode import check_store
+
+            check_store(uri)  # a file one machine holds: refused on several
             check_tracking_on_cluster(uri, cfg.experiment)
         out = launch(prepared, tracking, checkpoint_dir=run_dir, on_round=on_round, on_event=on_event,
                      cluster_may_grow=bool(address or os.environ.get("RAY_ADDRESS")))

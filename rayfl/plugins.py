@@ -8,10 +8,14 @@ as it is registered: a mistake is one line before Ray starts.
 
 Ray runs the work in other processes. What was registered here travels with the run (:func:`carried`, inside
 what the driver, the client actors and a sweep's trials receive) and is registered there when it arrives; a
-module loaded from a file is not importable there, so its classes are pickled by value. A run directory
-records which plugins were loaded (paths and module names, never code), for ``--resume``, which imports none
-of them: they must be given again (:func:`write_record`, :func:`rayfl.resume.check_recorded_plugins`);
-:func:`loaded_sources` is the list a cluster's runtime environment would ship.
+module loaded from a file is not importable there, so its classes are pickled by value, and so are the modules
+this process imported from a plugin's folder (its helpers: a plugin file's folder is put on ``sys.path`` as a
+script's is). The actors' arguments travel :class:`Sealed`: a module a node still lacks (imported from
+elsewhere) is one line naming it and the node, from the actor's first call, not an actor that dies while Ray
+reads its arguments. A run directory records which plugins were loaded (paths and module names, never code),
+for ``--resume``, which imports none of them: they must be given again (:func:`write_record`,
+:func:`rayfl.resume.check_recorded_plugins`); :func:`loaded_sources` is the list a cluster's runtime
+environment would ship.
 """
 
 from __future__ import annotations
@@ -130,6 +134,10 @@ def _import(source: str, what: str) -> tuple[str, types.ModuleType]:
             return path, _loaded[path]["module"]
         stem = re.sub(r"\W", "_", os.path.splitext(os.path.basename(path))[0])
         name = f"rayfl_plugin_{stem}_{hashlib.sha1(path.encode()).hexdigest()[:8]}"
+        folder = os.path.dirname(path)
+        if folder not in sys.path:  # its sibling modules import as they would beside a script
+            sys.path.insert(0, folder)
+            importlib.invalidate_caches()
         spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module  # dataclasses and pickling look the module up by name while it runs
@@ -315,7 +323,7 @@ def carried() -> Plugins:
     # a registry that was never imported holds nothing (and importing rayfl.models would import torch)
     datasets = _registered("rayfl.data.datasets")
     models = _registered("rayfl.models")
-    modules = {info["module"].__name__ for info in _loaded.values()}
+    modules = {info["module"].__name__ for info in _loaded.values()} | set(_siblings())
     for algo in algos.values():
         modules.update(c.__module__ for c in (algo.Params, algo.Server, algo.ClientLogic) if _not_findable(c.__module__))
     for obj in [*datasets.values(), *models.values()]:
@@ -325,6 +333,37 @@ def carried() -> Plugins:
                 modules.add(name)
     _by_value(sorted(modules))
     return Plugins(algos, sources, datasets, models, loaded_sources())
+
+
+def _plugin_folders() -> set[str]:
+    """The folders the loaded plugins came from: a file's own folder; for a module, the ``sys.path`` entry
+    that holds its top-level package."""
+    folders = set()
+    for key in _loaded:
+        if os.path.isabs(key):
+            folders.add(os.path.dirname(os.path.realpath(key)))
+            continue
+        file = getattr(sys.modules.get(key.split(".")[0]), "__file__", None)
+        if file:  # (a namespace package has none)
+            file = os.path.realpath(file)
+            folder = os.path.dirname(file)
+            folders.add(os.path.dirname(folder) if os.path.basename(file) == "__init__.py" else folder)
+    return folders
+
+
+def _siblings() -> list[str]:
+    """Modules this process imported from a plugin's folder (its helpers), neither rayfl nor installed: they
+    travel by value with the plugin, since the workers' disks do not have that folder."""
+    folders = _plugin_folders()
+    out = []
+    for name, module in list(sys.modules.items()):
+        file = getattr(module, "__file__", None)
+        if not file or not _not_findable(name):
+            continue
+        real = os.path.realpath(file)
+        if any(real.startswith(folder + os.sep) for folder in folders):
+            out.append(name)
+    return out
 
 
 def _registered(module: str) -> dict:
@@ -350,6 +389,55 @@ def _not_findable(name: str) -> bool:
     file = os.path.realpath(file)
     installed = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
     return not any(file.startswith(os.path.realpath(folder) + os.sep) for folder in installed)
+
+
+class Sealed:
+    """A value that travels pickled apart, so that a module it needs and the receiving node lacks is one line
+    naming the module and the node when it is opened (:meth:`open`, in a method of the actor that got it), not
+    an actor that dies while Ray reads its arguments (and is started again, to die the same way)."""
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __reduce__(self):
+        from ray import cloudpickle
+
+        return _unseal, (cloudpickle.dumps(self.value), loaded_sources())
+
+    def open(self) -> Any:
+        return self.value
+
+
+class Unreadable:
+    """A :class:`Sealed` value whose unpickling failed on this node: :meth:`open` says why, in one line."""
+
+    def __init__(self, error: BaseException, sources: list[str]):
+        import socket
+
+        self.missing = getattr(error, "name", None)
+        self.detail, self.sources, self.node = _first_line(error), sources, socket.gethostname()
+        try:
+            import ray
+
+            self.node = ray.util.get_node_ip_address()
+        except Exception:  # noqa: BLE001 - outside Ray: the host name
+            pass
+
+    def open(self) -> Any:
+        what = f"plugin={self.sources!r}" if self.sources else "run"
+        if self.missing:
+            raise UserError(f"{what}: module {self.missing!r} is not importable on node {self.node} ({self.detail}); "
+                            f"put it in the plugin's folder (which travels with the run) or install it on every node")
+        raise UserError(f"{what}: cannot be read on node {self.node} ({self.detail})")
+
+
+def _unseal(blob: bytes, sources: list[str]) -> Sealed | Unreadable:
+    from ray import cloudpickle
+
+    try:
+        return Sealed(cloudpickle.loads(blob))
+    except Exception as e:  # noqa: BLE001 - an import or attribute the node lacks: said when opened
+        return Unreadable(e, sources)
 
 
 def _by_value(modules: list[str]) -> None:

@@ -179,13 +179,21 @@ def store_error(uri: str, experiment: str, e: Exception) -> str:
 
 
 def ensure_experiment(uri: str, name: str) -> str:
-    """Experiment id for ``name``, created if missing (by the calling process: MLflow resolves a new
-    experiment's artifact location against its working directory, which Ray's local workers share)."""
+    """Experiment id for ``name``, created if missing, with a sqlite store's artifacts beside its database."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(uri)
     exp = client.get_experiment_by_name(name)
-    return exp.experiment_id if exp else client.create_experiment(name)
+    return exp.experiment_id if exp else client.create_experiment(name, artifact_location=artifact_root(uri))
+
+
+def artifact_root(uri: str) -> str | None:
+    """Where a new experiment of a sqlite store keeps its artifacts: ``mlruns`` beside the database file.
+    MLflow's default, ``./mlruns``, is resolved against the working directory of whichever process creates
+    the experiment, which on a cluster is a Ray worker's. None: the store's own default (a server's)."""
+    if uri.startswith("sqlite:///"):
+        return os.path.join(os.path.dirname(os.path.abspath(uri[len("sqlite:///"):])), "mlruns")
+    return None
 
 
 def numeric(metrics: dict, finite_only: bool = True) -> dict[str, float]:

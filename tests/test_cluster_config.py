@@ -17,6 +17,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 
 import jsonschema
 import pytest
@@ -76,6 +77,15 @@ def options(args: list[str]) -> dict[str, str | None]:
                 opts[a] = None
         i += 1
     return opts
+
+
+def head_ip_of(cmd: str, cfg: dict) -> str:
+    """What ``$HEAD_IP`` is in a head command run by `ray up`, which reaches the head over SSH at head_ip
+    (``$SSH_CONNECTION``: client address, client port, server address, server port)."""
+    assignment = re.search(r"HEAD_IP=\$\(([^()]*)\)", cmd).group(1)
+    env = {"PATH": "/usr/bin:/bin", "SSH_CONNECTION": f"192.0.2.7 50000 {cfg['provider']['head_ip']} 22"}
+    return subprocess.run(["bash", "-c", assignment], capture_output=True, text=True, env=env,
+                          check=True).stdout.strip()
 
 
 def ray_starts(cfg: dict, key: str) -> list[tuple[str, dict]]:
@@ -249,7 +259,7 @@ def test_mlflow_server_on_the_head(name):
     # MLflow has no authentication here: never all interfaces, only the head's private address.
     assert host not in ("0.0.0.0", "::", "*", "[::]")
     if cfg["provider"]["type"] == "local":
-        assert host == cfg["provider"]["head_ip"]
+        assert host == "$HEAD_IP" and head_ip_of(cmd, cfg) == cfg["provider"]["head_ip"]
     else:
         # The head's private address, found the same way as the MLFLOW_TRACKING_URI the nodes log to.
         assert host == "$HEAD_IP"
@@ -276,7 +286,7 @@ def test_jobs_log_to_the_head_mlflow_server(name):
     head_host = uri.search(head_cmd).group(1)
     assert uri.search(worker_cmd).group(1) == "$RAY_HEAD_IP"
     if cfg["provider"]["type"] == "local":
-        assert head_host == cfg["provider"]["head_ip"]
+        assert head_host == "$HEAD_IP" and head_ip_of(head_cmd, cfg) == cfg["provider"]["head_ip"]
 
 
 # --- NFS ----------------------------------------------------------------------------------------------
@@ -330,3 +340,126 @@ def test_nfs_check_catches_two_zones():
     cfg = load("cluster.yaml")
     cfg["provider"]["availability_zone"] = "us-west-2a,us-west-2b"
     assert nfs_export_problems(cfg)
+
+
+# --- right the first time (on-premise) ------------------------------------------------------------------
+
+def _fake_bin(folder: pathlib.Path, name: str, body: str) -> None:
+    path = folder / name
+    path.write_text("#!/bin/bash\n" + body + "\n")
+    path.chmod(0o755)
+
+
+def _run(cmd: str, home: pathlib.Path, bin_dir: pathlib.Path, **env) -> subprocess.CompletedProcess:
+    path = f"{bin_dir}:{pathlib.Path(sys.executable).parent}:/usr/bin:/bin"
+    return subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=60,
+                          env={"HOME": str(home), "PATH": path, **env})
+
+
+def test_the_head_address_is_written_once():
+    """Only provider.head_ip names the head: no command holds an address of its own."""
+    cfg = load("onprem.yaml")
+    text = "\n".join(line.split("#", 1)[0] for line in (CLUSTER_DIR / "onprem.yaml").read_text().splitlines())
+    addresses = [a for a in re.findall(r"\b\d{1,3}(?:\.\d{1,3}){3}\b", text) if not a.startswith("127.")]
+    assert sorted(addresses) == sorted([cfg["provider"]["head_ip"], *cfg["provider"]["worker_ips"]])
+    [(start, opts)] = ray_starts(cfg, "head_start_ray_commands")
+    assert opts.get("--node-ip-address") == "$HEAD_IP" and head_ip_of(start, cfg) == cfg["provider"]["head_ip"]
+
+
+def test_every_worker_starts_under_the_v1_autoscaler_whatever_ray_up_exports():
+    """`ray up` prefixes the head's start commands with RAY_enable_autoscaler_v2=1 (its default since Ray
+    2.50), under which the local provider starts one worker only; the head's `ray start` must see 0."""
+    from ray.autoscaler._private.util import with_envs
+
+    cfg = load("onprem.yaml")
+    [(start, _)] = ray_starts(cfg, "head_start_ray_commands")
+    [prefixed] = with_envs([start], {"RAY_enable_autoscaler_v2": "1", "RAY_NODE_TYPE_NAME": "x"})
+    out = subprocess.run(["bash", "-c", 'ray() { echo "v2=$RAY_enable_autoscaler_v2"; }; ' + prefixed],
+                         capture_output=True, text=True, env={"PATH": "/usr/bin:/bin",
+                                                              "SSH_CONNECTION": "192.0.2.7 1 10.0.0.10 22"})
+    assert out.stdout.strip() == "v2=0", out.stderr
+    assert "autoscaler v2" in (CLUSTER_DIR / "onprem.yaml").read_text()
+
+
+def test_ray_down_stops_ray_on_every_worker(tmp_path):
+    """`ray down` runs `ray stop` in the head's login shell (after ~/.bashrc): the function the head's setup
+    adds there stops Ray on every worker over SSH first, with the key and user of the launcher's copy of the
+    config, then on the head."""
+    cfg = load("onprem.yaml")
+    home, bin_dir = tmp_path / "home", tmp_path / "bin"
+    (home / "rayfl").mkdir(parents=True)
+    bin_dir.mkdir()
+    (home / "rayfl" / "cluster").symlink_to(CLUSTER_DIR)
+    (home / ".bashrc").write_text("")
+    bootstrap = prepare_config(copy.deepcopy(cfg))
+    bootstrap["auth"]["ssh_private_key"] = "~/ray_bootstrap_key.pem"
+    (home / "ray_bootstrap_config.yaml").write_text(yaml.safe_dump(bootstrap))
+    log = tmp_path / "calls"
+    _fake_bin(bin_dir, "ssh", f'echo "ssh $*" >> {log}')
+    _fake_bin(bin_dir, "ray", f'echo "ray $*" >> {log}')
+    for cmd in cfg["head_setup_commands"] * 2:  # run twice, as two `ray up`: added once
+        assert _run(cmd, home, bin_dir).returncode == 0
+    out = _run("source ~/.bashrc; ray stop", home, bin_dir)
+    assert out.returncode == 0, out.stderr
+    calls = log.read_text().splitlines()
+    user = cfg["auth"]["ssh_user"]
+    for ip in cfg["provider"]["worker_ips"]:
+        [call] = [c for c in calls if f"{user}@{ip} " in c]
+        assert f"-i {home}/ray_bootstrap_key.pem" in call and call.endswith('ray stop"'), call
+    assert calls[-1] == "ray stop" and len(calls) == len(cfg["provider"]["worker_ips"]) + 1
+    [restart] = [c for c in cfg["head_start_ray_commands"] if "ray stop" in c]
+    assert restart == "command ray stop"  # `ray up` restarts the head alone
+    # and a stop command answered by no worker says so, without failing `ray down`
+    _fake_bin(bin_dir, "ssh", "exit 255")
+    out = _run("source ~/.bashrc; ray stop", home, bin_dir)
+    assert out.returncode == 0 and out.stderr.count("could not stop Ray on worker") == 2, out.stderr
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_every_piped_step_sets_pipefail_and_a_failed_download_fails_its_step(name, tmp_path):
+    cfg = load(name)
+    for cmd in all_commands(cfg):
+        if re.search(r"[^|]\|[^|]", cmd.replace("'{print $1}'", "")):
+            assert cmd.startswith("set -o pipefail;"), cmd
+    [uv] = [c for c in cfg["setup_commands"] if "install.sh" in c]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _fake_bin(bin_dir, "curl", "exit 22")  # the download fails
+    _fake_bin(bin_dir, "sh", "cat > /dev/null")  # and the shell it is piped to reads nothing and succeeds
+    assert _run(uv, tmp_path, bin_dir).returncode != 0
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_the_token_file_is_readable_by_its_owner_only(name, tmp_path):
+    (tmp_path / ".ray").mkdir()
+    token = tmp_path / ".ray" / "auth_token"
+    token.write_text("secret")
+    token.chmod(0o644)
+    [step] = [c for c in load(name)["setup_commands"] if "auth_token" in c]
+    assert _run(step, tmp_path, tmp_path).returncode == 0
+    assert token.stat().st_mode & 0o777 == 0o600 and (tmp_path / ".ray").stat().st_mode & 0o777 == 0o700
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_torch_and_mlflow_are_pinned_beside_ray(name):
+    from importlib.metadata import version
+
+    setup = " ".join(load(name)["setup_commands"])
+    for package in ("torch", "torchvision", "mlflow"):
+        pinned = re.findall(rf'"{package}==([0-9.]+)"', setup)
+        assert pinned == [version(package).split("+")[0]], (package, pinned)
+    assert re.findall(r"ray\[[^\]]*\]==([0-9.]+)", setup) == [ray.__version__]
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_ray_up_fails_when_the_mlflow_server_does_not_answer(name, tmp_path):
+    """A server that cannot bind its address exits at once: the step fails with the server's log, not later."""
+    [cmd] = [c for c in load(name)["head_start_ray_commands"] if "mlflow server" in c]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _fake_bin(bin_dir, "mlflow", 'echo "Errno 99: cannot assign requested address" >&2; exit 1')
+    _fake_bin(bin_dir, "curl", "exit 7")
+    _fake_bin(bin_dir, "hostname", "echo 10.0.0.10")
+    out = _run(cmd, tmp_path, bin_dir, SSH_CONNECTION="192.0.2.7 1 10.0.0.10 22")
+    assert out.returncode == 1 and "does not answer at 10.0.0.10:5000" in out.stdout, out.stdout + out.stderr
+    assert "cannot assign requested address" in out.stdout

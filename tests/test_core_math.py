@@ -158,9 +158,10 @@ def test_nan_free_summary_for_regression():
 
 def test_requests_the_cluster_cannot_hold_are_user_errors():
     check_fits(ActorResources(0.5, 0.0), 3, {"CPU": 2.0})
-    with pytest.raises(UserError, match="cpus_per_actor=1 x 3 client actors needs 3.05 CPUs, the cluster has 2"):
+    with pytest.raises(UserError, match=r"cpus_per_actor=1: 3 client actors of 1 CPU each, beside the driver's "
+                                        r"0.05 CPU, do not fit \(free on the nodes: 2 CPU;.*at most 1 fit"):
         check_fits(ActorResources(1.0, 0.0), 3, {"CPU": 2.0})
-    with pytest.raises(UserError, match="gpus_per_actor=0.5 x 2 client actors needs 1 GPUs, the cluster has 0"):
+    with pytest.raises(UserError, match="gpus_per_actor=0.5: 2 client actors of 0.1 CPU and 0.5 GPU each"):
         check_fits(ActorResources(0.1, 0.5), 2, {"CPU": 2.0})
     with pytest.raises(UserError, match=r"100 client actors need about 50 GiB .* clients_per_actor >= 4"):
         check_fits(ActorResources(0.01, 0.0), 100, {"CPU": 2.0, "memory": 16 * 2**30}, n_clients=100)

@@ -16,6 +16,10 @@ Two raylets on one machine share a session directory, and with it the runtime-en
 package the entrypoint runs in (its cwd vanished: FileNotFoundError). Each node here gets its own
 ``runtime_env_dir_name``, as each machine of a real cluster has its own disk.
 
+A plugin that imports a helper module from its own folder loads (the folder is importable where the plugin is
+loaded) and runs on the workers, which do not have that folder (the helper travels by value with the plugin); a
+module the plugin imports from elsewhere that the nodes lack is one line naming it, with no actor restarted.
+
 Each run must finish with its client actors on the worker nodes (the head has no GPU; the actors ask for one)
 and its MLflow run must hold the plugin algorithm's own metric. The cluster (tests/multinode_cluster.py) is
 shared by both tests; isolation and teardown are that module's.
@@ -149,7 +153,7 @@ def _run(cmd: list[str], env: dict, cwd, what: str) -> float:
     return time.monotonic() - t0
 
 
-def _check_run(cluster: dict, experiment: str) -> None:
+def _check_run(cluster: dict, experiment: str, logged_mu: float = MU) -> None:
     """The MLflow run finished, holds the plugin's metric every round, used its dataset and model, and its
     client actors ran on the worker nodes (placement.json, written by the run's driver)."""
     from mlflow.tracking import MlflowClient
@@ -161,7 +165,7 @@ def _check_run(cluster: dict, experiment: str) -> None:
     assert (run.data.params["algo"], run.data.params["dataset"], run.data.params["model"]) == (
         "my-prox", "blobs", "tiny-mlp")
     history = client.get_metric_history(run.info.run_id, "plugin_mu")
-    assert sorted((m.step, m.value) for m in history) == [(r, MU) for r in range(1, ROUNDS + 1)]
+    assert sorted((m.step, m.value) for m in history) == [(r, logged_mu) for r in range(1, ROUNDS + 1)]
     assert len(client.get_metric_history(run.info.run_id, "test_acc_mean")) == ROUNDS
     dest = Path(root) / "dl" / experiment
     dest.mkdir(parents=True)
@@ -193,3 +197,45 @@ def test_plugin_module_not_on_the_nodes(cluster):
     seconds = _run(cmd, env, cluster["root"], "rayfl run --address")
     print(f"rayfl run --address: {seconds:.1f}s")
     _check_run(cluster, experiment)
+
+
+SIBLING_PLUGIN = PLUGIN.replace("from dataclasses import dataclass", "from dataclasses import dataclass\n\nimport my_helpers").replace(
+    '"plugin_mu": self.params.mu}', '"plugin_mu": my_helpers.reported(self.params.mu)}')
+HELPERS = "def reported(mu):\n    return 2 * mu\n"
+
+
+def test_plugin_with_a_sibling_module_from_a_folder_the_workers_do_not_have(cluster):
+    """``--plugin /elsewhere/sib_plugin.py``, which imports ``my_helpers`` beside it; neither the submitting
+    process's nor the nodes' PYTHONPATH names that folder, and the run is started from another directory."""
+    assert "import my_helpers" in SIBLING_PLUGIN and "my_helpers.reported" in SIBLING_PLUGIN
+    elsewhere = Path(cluster["root"]) / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "sib_plugin.py").write_text(SIBLING_PLUGIN)
+    (elsewhere / "my_helpers.py").write_text(HELPERS)
+    experiment = "plugin-sibling"
+    cmd = [_bin("rayfl"), *_run_args(cluster["root"], experiment, str(elsewhere / "sib_plugin.py")),
+           "--address", cluster["gcs"]]
+    seconds = _run(cmd, cluster["env"], cluster["root"], "rayfl run --plugin FILE with a sibling module")
+    print(f"sibling module: {seconds:.1f}s")
+    _check_run(cluster, experiment, logged_mu=2 * MU)  # the helper's value: it ran on the driver
+
+
+def test_a_module_missing_on_the_nodes_is_one_line_naming_it_and_no_actor_restarts(cluster):
+    """The plugin imports ``far_helper`` from a folder on the submitting process's PYTHONPATH only (not the
+    plugin's folder, not the nodes'): the run ends in one line naming the module, exit 2, within seconds and
+    without the driver actor being started again."""
+    far, home = Path(cluster["root"]) / "far", Path(cluster["root"]) / "home"
+    far.mkdir()
+    home.mkdir()
+    (far / "far_helper.py").write_text(HELPERS)
+    (home / "far_plugin.py").write_text(SIBLING_PLUGIN.replace("my_helpers", "far_helper"))
+    env = {**cluster["env"], "PYTHONPATH": os.pathsep.join([str(far), cluster["env"]["PYTHONPATH"]])}
+    cmd = [_bin("rayfl"), *_run_args(cluster["root"], "plugin-missing", str(home / "far_plugin.py")),
+           "--address", cluster["gcs"]]
+    t0 = time.monotonic()
+    done = subprocess.run(cmd, env=env, cwd=cluster["root"], capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    said = [line for line in done.stderr.splitlines() if line.startswith("rayfl:")]
+    assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
+    assert len(said) == 1 and said[0].startswith("rayfl: error: plugin=") and \
+        "module 'far_helper' is not importable on node" in said[0], done.stderr[-3000:]
+    assert "died" not in done.stderr and time.monotonic() - t0 < 120, done.stderr[-3000:]

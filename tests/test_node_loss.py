@@ -47,7 +47,9 @@ BASE = {"dataset": "synthetic", "partition": "iid", "rounds": ROUNDS, "samples_p
 CASES = {  # algorithm -> (config, where the lost actor goes)
     "fedavg": ({"algo": "fedavg", "clients": 6, "participation": 0.67}, "spare"),
     "fedfomo": ({"algo": "fedfomo", "clients": 6, "participation": 0.67, "params": {"M": 2}}, "spare"),
-    "persfl": ({"algo": "persfl", "clients": 8, "params": {"lam_grid": [0.0, 0.5], "T_grid": [1.0]}}, "added"),
+    # capacity_wait set: the user asks to wait for room (else the clients would move to the surviving actors)
+    "persfl": ({"algo": "persfl", "clients": 8, "params": {"lam_grid": [0.0, 0.5], "T_grid": [1.0]},
+                "capacity_wait": 120}, "added"),
 }
 
 
@@ -243,6 +245,50 @@ def test_with_no_room_left_the_run_ends_in_one_line_and_resume_finishes_it(clust
     assert f"resuming after round {kept_round}/" in out
     final, _ = logged_final(cluster, "no-room")
     assert_equal_finals(final, uninterrupted_final(values))
+
+
+@pytest.mark.parametrize("algo", ["fedavg", "fedfomo"])
+def test_with_no_room_left_the_lost_clients_move_to_the_surviving_actors_and_the_run_ends_as_if_nothing_happened(
+        cluster, algo):
+    """Eight clients fill the four workers and capacity_wait is left as it is: this cluster cannot grow (no
+    autoscaler), so the lost actor's clients are not waited for but re-hosted in a surviving actor from the
+    driver's snapshot, the rounds since replayed, and the run ends within seconds of the loss with the final
+    metrics of the uninterrupted run."""
+    values = {**CASES[algo][0], "clients": 8}
+    helper, lost, when = cluster["helper"], [], []
+
+    def on_round(k: int) -> None:
+        if k == LOSE_AFTER and not lost:
+            lose_a_client_node(helper, lost)
+            when.append(time.monotonic())
+
+    try:
+        rc, out, err = rayfl(cluster, run_args(cluster, values, f"rehost-{algo}"), on_round)
+        ended = time.monotonic()
+    finally:
+        if lost:
+            helper.add(num_cpus=1)  # back to four workers
+    assert rc == 0, f"{out[-3000:]}\n{err[-3000:]}"
+    assert lost and "their clients move to the surviving client actors" in err, err[-3000:]
+    assert "waiting up to" not in err and ended - when[0] < 90, err[-3000:]
+    final, metrics = logged_final(cluster, f"rehost-{algo}")
+    assert metrics["client_restarts"] >= 1
+    assert_equal_finals(final, uninterrupted_final(values))
+    print(f"{algo}: ended {ended - when[0]:.1f}s after the loss")
+
+
+def test_default_sizing_places_every_actor_on_one_cpu_workers(cluster):
+    """No --cpus-per-actor, no --clients-per-actor: a 0-CPU head and 1-CPU workers get one actor per worker,
+    each sized to fit its node beside the driver's share (a cluster-wide share would leave one unplaced)."""
+    values = {k: v for k, v in BASE.items() if k not in ("cpus_per_actor", "clients_per_actor")}
+    args = [*flags({**values, "algo": "fedavg", "clients": 4, "rounds": 2, "capacity_wait": 30}),
+            "--tracking-uri", cluster["uri"], "--experiment", "node-loss", "--run-name", "default-sizing",
+            "--out-dir", f"{cluster['root']}/runs"]
+    rc, out, err = rayfl(cluster, args)
+    assert rc == 0, f"{out[-3000:]}\n{err[-3000:]}"
+    final, _ = logged_final(cluster, "default-sizing")
+    assert_equal_finals(final, uninterrupted_final({"algo": "fedavg", "clients": 4, "rounds": 2,
+                                                    "clients_per_actor": 1}))  # one host per client, as placed
 
 
 class NoRoomRuntime(LocalRuntime):

@@ -235,12 +235,9 @@ def final_rows(label: str, seed: int, out: dict) -> list[dict]:
 def _ray_share(cfg, concurrent: int) -> tuple:
     """(client-actor resources, number of client actors) for one of ``concurrent`` experiments sharing the
     cluster evenly: the engine's own placement, planned on that share."""
-    import ray
+    from rayfl.actors.resources import check_fits, divided, live_nodes, n_actors_for, plan_actor_resources
 
-    from rayfl.actors.resources import check_fits, n_actors_for, plan_actor_resources
-
-    cluster = ray.cluster_resources()
-    share = {k: float(v) / concurrent for k, v in cluster.items() if k in ("CPU", "GPU", "memory")}
+    share = divided(live_nodes(free=False), concurrent)  # an even part of every node
     n_actors = n_actors_for(cfg, share)
     res = plan_actor_resources(cfg, n_actors, share)
     check_fits(res, n_actors, share, cfg.clients)
@@ -312,7 +309,21 @@ def compare(algos: Sequence[str] | None = None, seeds: Sequence[int] = (0, 1, 2)
     seeds = list(dict.fromkeys(cfg.seed for _, cfg in planned))
     name = name or base.run_name or f"compare-{preset or base.dataset}-{time.strftime('%Y%m%d-%H%M%S')}"
     # the table, and each run's directory (its checkpoints, records kept for rayfl sync) below it
-    out_dir = new_dir(os.path.join(base.out_dir, "compare"), name)
+    from rayfl.config import Config
+    from rayfl.multinode import check_store, on_cluster, shared_default
+
+    # on a cluster, connected first: how many machines it spans decides where the runs' files go
+    early = runtime == "ray" and on_cluster(address) and start_ray(address, lambda event: None)
+    try:
+        if runtime == "ray":
+            check_store(uri)
+        parent_dir = shared_default("--out-dir", None if base.out_dir == Config.out_dir else base.out_dir,
+                                    "runs") if runtime == "ray" else None
+    except BaseException:
+        if early:
+            shutdown_ray()
+        raise
+    out_dir = new_dir(os.path.join(parent_dir or base.out_dir, "compare"), name)
 
     from mlflow import MlflowClient
 
@@ -384,15 +395,16 @@ def compare(algos: Sequence[str] | None = None, seeds: Sequence[int] = (0, 1, 2)
         folder = f"{folder}-{len(names)}" if folder in names else folder  # two labels made one name
         names.add(folder)
         run_dirs[label] = make_run_dir(dataclasses.replace(p.cfg, out_dir=out_dir), folder, uri)
-    started_ray = False
+    started_ray = early
     rows: list[dict] = []
     try:
         if runtime == "ray":
             import ray
 
-            started_ray = start_ray(address, lambda event: None)
-            cpus = float(ray.cluster_resources().get("CPU", 1.0))
-            concurrent = max_concurrent or max(1, min(len(prepared), int(cpus // max(1, base.torch_threads))))
+            started_ray = start_ray(address, lambda event: None) or started_ray
+            from rayfl.actors.resources import live_nodes, slots
+
+            concurrent = max_concurrent or max(1, min(len(prepared), slots(base, live_nodes(free=False))))
             with ThreadPoolExecutor(concurrent) as ex:
                 for part in ex.map(one, prepared):
                     rows.extend(part)

@@ -226,6 +226,7 @@ def run_sweep(s: SweepSettings) -> tuple[dict, int]:
     # rayfl's trial records and checkpoints are on disk by then, and --resume goes on from them.
     os.environ.setdefault("TUNE_DISABLE_SIGINT_HANDLER", "1")
     check_address(s.address)
+    early = False
     if s.resume:
         where = ("--tracking-uri", "--stage-cache")  # where the resume writes may be said again
         extra = [f for f in _flags_given(s) if f not in where]
@@ -234,8 +235,17 @@ def run_sweep(s: SweepSettings) -> tuple[dict, int]:
                             f"give only --resume DIR (and --tracking-uri, --stage-cache, --address, --quiet)")
         meta = resume_meta(s)
     else:
-        meta = _new_sweep(s)
-    started = start_ray(s.address, (lambda event: None) if s.quiet else ConsoleProgress())
+        from rayfl.multinode import on_cluster
+
+        # on a cluster, connected first: how many machines it spans decides where the sweep's files go
+        early = on_cluster(s.address) and start_ray(s.address, (lambda event: None) if s.quiet else ConsoleProgress())
+        try:
+            meta = _new_sweep(s)
+        except BaseException:
+            if early:
+                shutdown_ray()
+            raise
+    started = start_ray(s.address, (lambda event: None) if s.quiet else ConsoleProgress()) or early
     try:
         code = _run(meta, s.quiet, resume=bool(s.resume))
     finally:
@@ -324,7 +334,11 @@ def _new_sweep(s: SweepSettings) -> dict:
         _search_alg("optuna", 0, 1, metric, mode)  # fails here, before anything starts, if optuna is missing
     name = s.name if s.name is not None else f"{plan.algo}-sweep-{time.strftime('%Y%m%d-%H%M%S')}"
     check_name(name)
-    storage = os.path.abspath(s.storage_path or os.path.join(base_cfg.out_dir, "tune"))
+    from rayfl.multinode import check_store, shared_default
+
+    check_store(uri)  # trials on several machines: a tracking server, not a file
+    storage = os.path.abspath(shared_default("--storage-path", s.storage_path, "tune")
+                              or os.path.join(base_cfg.out_dir, "tune"))
     sweep_dir = os.path.join(storage, name)
     if os.path.exists(os.path.join(sweep_dir, SWEEP_FILE)):
         raise UserError(f"sweep {sweep_dir} exists; resume it with --resume {sweep_dir}, or pick another --name")
@@ -355,7 +369,7 @@ def _plan_from_meta(meta: dict) -> Plan:
     return Plan(meta["algo"], meta["base"], space, meta["knobs"])
 
 
-def _default_concurrency(meta: dict, cluster: dict) -> int:
+def _default_concurrency(meta: dict, cluster) -> int:
     """One trial per client-actor slot (``torch_threads`` CPUs, within memory), at most one per trial: trials
     are independent, so running them side by side beats spreading one over the cluster, and a trial whose
     share is one slot runs in its own (reused) process."""
@@ -372,7 +386,9 @@ def _run(meta: dict, quiet: bool, resume: bool) -> int:
     cluster = {k: float(v) for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
     if not resume:
         if meta["max_concurrent"] is None:
-            meta["max_concurrent"] = _default_concurrency(meta, cluster)
+            from rayfl.actors.resources import live_nodes
+
+            meta["max_concurrent"] = _default_concurrency(meta, live_nodes(free=False))  # slots node by node
         if meta["max_concurrent"] < 1:
             raise UserError(f"--max-concurrent {meta['max_concurrent']}: must be >= 1")
         meta["share"] = {k: v / meta["max_concurrent"] for k, v in cluster.items()}
