@@ -4,14 +4,18 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # torch and torchvision releases that match each other; override for another platform or CUDA build.
 TORCH ?= torch==2.14.1 torchvision==0.29.1
+# The versions the suite passes with (every dependency, pinned); `make CONSTRAINTS= ...` installs without them
+# (as another TORCH needs).
+CONSTRAINTS ?= constraints.txt
+PIN := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 
 .PHONY: demo test venv bench clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet $(TORCH)
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet $(PIN) $(TORCH)
+	$(PY) -m pip install --quiet $(PIN) -e '.[test]'
 	touch $@
 
 venv: $(VENV)/.installed

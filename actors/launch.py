@@ -24,6 +24,7 @@ from rayfl.config import UserError
 from rayfl.divergence import Diverged
 from rayfl.loop import NoCapacity
 from rayfl.progress import stderr_into
+from rayfl.ray_compat import node_logs_dir
 
 
 DRIVER_START_SECONDS = 120  # a driver actor answers its first poll once started (MLflow, torch imports)
@@ -109,12 +110,8 @@ def launch(prepared, tracking: dict | None, checkpoint_dir: str | None = None,
 def _ray_warnings_to_log():
     """Ray's core worker warns on stderr about each restartable actor with constructor arguments in the object
     store (that they must stay alive: :func:`launch` keeps them): into Ray's log directory, not the console."""
-    try:
-        from ray._private import worker
-
-        folder = worker._global_node.get_logs_dir_path()
-    except Exception:  # noqa: BLE001 - connected to a remote cluster: its logs are on its head node
-        folder = tempfile.gettempdir()
+    # connected to a remote cluster: its logs are on its head node
+    folder = node_logs_dir() or tempfile.gettempdir()
     with open(os.path.join(folder, "rayfl-submitter.err"), "ab") as f, stderr_into(f):
         yield
 
