@@ -25,6 +25,7 @@ from rayfl.divergence import Diverged
 from rayfl.loop import NoCapacity
 from rayfl.plugins import Sealed
 from rayfl.progress import stderr_into
+from rayfl.ray_compat import node_logs_dir
 
 
 DRIVER_START_SECONDS = 120  # a driver actor answers its first poll once started (MLflow, torch imports)
@@ -139,12 +140,8 @@ def _settled_nodes(settle: float = SETTLE_SECONDS, steady: float = 1.5) -> list[
 def _ray_warnings_to_log():
     """Ray's core worker warns on stderr about each restartable actor with constructor arguments in the object
     store (that they must stay alive: :func:`launch` keeps them): into Ray's log directory, not the console."""
-    try:
-        from ray._private import worker
-
-        folder = worker._global_node.get_logs_dir_path()
-    except Exception:  # noqa: BLE001 - connected to a remote cluster: its logs are on its head node
-        folder = tempfile.gettempdir()
+    # connected to a remote cluster: its logs are on its head node
+    folder = node_logs_dir() or tempfile.gettempdir()
     with open(os.path.join(folder, "rayfl-submitter.err"), "ab") as f, stderr_into(f):
         yield
 

@@ -219,6 +219,10 @@ def main(argv=None) -> int:
         if args.command is None:
             parser.print_help()
             return 0
+        if args.command in ("run", "tune", "compare"):  # the commands that start Ray: a Ray rayfl supports
+            from rayfl.ray_compat import check_ray_version
+
+            check_ray_version()
         if hasattr(args, "plugin"):  # entry points, $RAYFL_PLUGINS, --plugin: before anything reads a name
             from rayfl.plugins import load_plugins
 

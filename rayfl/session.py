@@ -16,6 +16,7 @@ import time
 from contextlib import contextmanager
 from typing import Callable
 
+from rayfl import ray_compat
 from rayfl.config import UserError, check_value, make_config, read_yaml, shown
 from rayfl.progress import stderr_into
 from rayfl.tracking_store import (CONNECT_TIMEOUT_S, check_tracking_store,  # noqa: F401 - re-exported
@@ -60,6 +61,7 @@ def init_ray(address: str | None) -> None:
     The private instance binds the loopback address only and requires a fresh random token, so no other
     machine, and no process without that token, can attach to it and run code. A given address is probed
     first (an unreachable one is one line within seconds, not Ray's endless retries)."""
+    ray_compat.check_ray_version()
     address = address or os.environ.get("RAY_ADDRESS") or None
     private = address in (None, "local")
     if private:
@@ -72,11 +74,15 @@ def init_ray(address: str | None) -> None:
     else:
         check_address(address)
         _set_env(RAY_gcs_server_port_wait_time_s=os.environ.get("RAY_gcs_server_port_wait_time_s", "1"))
-    _reload_ray_env()
+    try:
+        _reload_ray_env()
+    except UserError:  # a Ray without the private names rayfl uses
+        _restore_env()
+        raise
     import ray
 
-    kwargs = dict(address="local", include_dashboard=False, _node_ip_address="127.0.0.1",
-                  _system_config={"max_direct_call_object_size": INLINE_BYTES}) if private else dict(address=address)
+    kwargs = dict(address="local", include_dashboard=False,
+                  **ray_compat.private_instance_options("127.0.0.1", INLINE_BYTES)) if private else dict(address=address)
     try:
         with _stderr_kept_aside() as kept:
             ray.init(logging_level="ERROR", configure_logging=True, **kwargs,
@@ -115,7 +121,10 @@ def _restore_env() -> None:
         else:
             os.environ[key] = value
     _SAVED_ENV.clear()
-    _reload_ray_env()
+    try:
+        _reload_ray_env()
+    except UserError:  # reported where the environment was first changed (init_ray)
+        pass
 
 
 def _reload_ray_env() -> None:
@@ -123,13 +132,7 @@ def _reload_ray_env() -> None:
     told again (as Ray's own tests do between instances)."""
     if "ray" not in sys.modules:
         return
-    from ray._private import ray_constants
-    from ray._raylet import AuthenticationTokenLoader, Config
-
-    ray_constants.ENABLE_RAY_CLUSTER = os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "1").lower() not in (
-        "0", "false")
-    Config.initialize("")
-    AuthenticationTokenLoader.instance().reset_cache()
+    ray_compat.reload_env()
 
 
 @contextmanager
@@ -149,12 +152,7 @@ def _stderr_kept_aside():
 
 def _ray_logs_dir() -> str | None:
     """Where Ray writes its workers' and raylets' logs (kept out of the console)."""
-    try:
-        from ray._private import worker
-
-        return worker._global_node.get_logs_dir_path()
-    except Exception:  # noqa: BLE001 - a remote cluster keeps them on its head node
-        return None
+    return ray_compat.node_logs_dir()
 
 
 # --------------------------------------------------------------------------------------------------

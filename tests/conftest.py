@@ -1,8 +1,10 @@
-"""Shared fixtures: a private Ray instance per test session, tiny configs, a private MLflow store."""
+"""Shared fixtures (a private Ray instance per test session, tiny configs, a private MLflow store) and the
+suite's three layers: tests/unit, tests/integration, tests/system (see the end of this file)."""
 
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
@@ -91,3 +93,52 @@ def random_mnist(directory, n: int, seed: int = 0) -> str:
     with gzip.open(os.path.join(directory, "t10k-labels-idx1-ubyte.gz"), "wb") as f:
         f.write(struct.pack(">II", 2049, n) + rng.integers(0, 10, n, dtype=np.uint8).tobytes())
     return str(directory)
+
+
+# --------------------------------------------------------------------------------------------------
+# Layers: tests/unit (no Ray, no subprocess, no server: `make test-fast`), tests/integration (a local Ray
+# instance in this process), tests/system (the command in subprocesses, MLflow servers, multi-node clusters).
+# Each test gets its folder's marker (``-m unit``). Under pytest-xdist (``--dist loadgroup``, as `make test`
+# runs) unit tests are spread one by one; an integration or system file runs on one worker (its module
+# fixtures, a server or a cluster, start once), the multi-node files one after another (one cluster at a time
+# on two cores), and the slowest groups start first.
+# --------------------------------------------------------------------------------------------------
+LAYERS = {"unit": "no Ray, no server, no run of the command in a subprocess",
+          "integration": "a local Ray instance in this process",
+          "system": "the command in subprocesses, MLflow servers, multi-node Ray clusters"}
+CLUSTER_FILES = {"test_multinode.py", "test_multinode_plugins.py", "test_node_loss.py"}
+# Test modules share helpers across layers (``from test_faults import ALGOS``), and this folder's own
+# helpers (conftest, multinode_cluster) are imported by name: every layer's folder is importable.
+for _layer in LAYERS:
+    _folder = os.path.join(os.path.dirname(os.path.abspath(__file__)), _layer)
+    if _folder not in sys.path:
+        sys.path.append(_folder)
+
+
+def pytest_configure(config):
+    for layer, what in LAYERS.items():
+        config.addinivalue_line("markers", f"{layer}: tests/{layer}: {what}")
+
+
+def layer_of(path) -> str | None:
+    """The layer a test file belongs to: the folder under tests/ it sits in (None for one not placed yet)."""
+    from pathlib import Path
+
+    parent = Path(path).parent.name
+    return parent if parent in LAYERS else None
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist turns xdist_group marks into work units
+def pytest_collection_modifyitems(config, items):
+    order = {"system": 0, "integration": 1, None: 1, "unit": 2}
+    for item in items:
+        layer = layer_of(item.path)
+        if layer is not None:
+            item.add_marker(layer)
+        if layer == "unit" and "ray_session" in item.fixturenames:
+            raise pytest.UsageError(f"{item.nodeid}: a unit test starts no Ray (ray_session): move it to "
+                                    f"tests/integration")
+        if layer != "unit":
+            name = "multinode" if item.path.name in CLUSTER_FILES else item.path.stem
+            item.add_marker(pytest.mark.xdist_group(name))
+    items.sort(key=lambda item: (0 if item.path.name in CLUSTER_FILES else 1, order[layer_of(item.path)]))

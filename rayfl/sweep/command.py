@@ -71,8 +71,8 @@ def add_tune_parser(subparsers) -> None:
     g.add_argument("--space", metavar="FILE", help="search space YAML (default: tune_spaces/<algo>.yaml)")
     g.add_argument("--search", choices=SEARCHES, default="grid",
                    help="grid: every grid point (x --num-samples draws of the random keys); random: --num-samples "
-                        "draws (grid lists become choices); optuna: model-based, needs `pip install optuna` "
-                        "(runs offline)")
+                        "draws (grid lists become choices); optuna: model-based, needs "
+                        "`pip install 'rayfl[optuna]'` (runs offline)")
     g.add_argument("--num-samples", type=int, default=None, metavar="N",
                    help="grid: repeats of the grid (default 1); random/optuna: trials (default 10)")
     g.add_argument("--max-concurrent", type=int, default=None, metavar="N",

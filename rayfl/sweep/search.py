@@ -53,8 +53,8 @@ def _search_alg(search: str, seed: int, max_concurrent: int, metric: str, mode: 
         try:
             import optuna  # noqa: F401
         except ImportError:
-            raise UserError("--search optuna: optuna is not installed (`pip install optuna`; it then runs "
-                            "offline). Without it: --search grid or --search random") from None
+            raise UserError("--search optuna: optuna is not installed (`pip install 'rayfl[optuna]'`; it then "
+                            "runs offline). Without it: --search grid or --search random") from None
         from ray.tune.search.optuna import OptunaSearch
 
         return ConcurrencyLimiter(OptunaSearch(seed=seed), max_concurrent=max_concurrent)

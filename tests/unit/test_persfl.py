@@ -1,5 +1,5 @@
 """PersFL (Divi et al., 2021, §4.1): the distillation loss against a hand computation, per-client teacher selection, the grid's
-selection on validation (never test); sharing stage 1 is tests/test_stage_cache.py."""
+selection on validation (never test); sharing stage 1 is tests/unit/test_stage_cache.py."""
 
 from __future__ import annotations
 
@@ -165,7 +165,7 @@ def run(**params):
 
 
 def test_whole_run_tables_and_one_point_equals_that_point_of_the_grid():
-    """(Sharing stage 1 across runs is the platform's: tests/test_stage_cache.py.)"""
+    """(Sharing stage 1 across runs is the platform's: tests/unit/test_stage_cache.py.)"""
     plain = run()
     assert [h["stage"] for h in plain.history] == ["fedavg"] * 3 + ["distill"]
     # FedAvg rounds train and average; only the distillation round picks (λ, T)

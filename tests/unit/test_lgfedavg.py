@@ -1,7 +1,7 @@
 """LG-FedAvg (Liang et al. 2020): the top layers are the global model, the bottom ones each device's local
 representation; the FedAvg warm start and its hand-over; which model is evaluated; runs through the real loop.
 The machinery LG-FedAvg shares with FedPer (SplitClient, with_shared, the size-weighted average) is tested in
-tests/test_fedper.py."""
+tests/unit/test_fedper.py."""
 
 from __future__ import annotations
 

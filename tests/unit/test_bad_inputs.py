@@ -299,7 +299,7 @@ CASES = [
     ("idx_padded_data", run("--dataset", "mnist", "--data-root", "{t}/padded_data"),
      "{t}/padded_data/train-images-idx3-ubyte: truncated or padded IDX file"),
     ("idx_empty", run("--dataset", "mnist", "--data-root", "{t}/empty"), "train-labels-idx1-ubyte: holds no samples"),
-    # --- resume directories (a crafted checkpoint is tests/test_faults.py's)
+    # --- resume directories (a crafted checkpoint is tests/integration/test_faults.py's)
     ("resume_no_checkpoint", ["run", "--resume", "{t}/run_no_ckpt"], "--resume '{t}/run_no_ckpt': no checkpoint there"),
     ("resume_no_config", ["run", "--resume", "{t}/gz_corrupt"], "--resume '{t}/gz_corrupt': no config.yaml there"),
     ("resume_missing_dir", ["run", "--resume", "{t}/nowhere"], "--resume '{t}/nowhere': no config.yaml there"),

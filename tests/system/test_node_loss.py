@@ -9,7 +9,7 @@ clients (three actors) leave a spare worker; eight (four actors) fill the cluste
 `rayfl run --address` in a process of its own, reads its round lines as they come, and removes a node
 through the cluster's helper after round LOSE_AFTER. The uninterrupted result each case must equal is
 computed in this process with every client in a LocalRuntime (the Ray runtime's results equal it:
-tests/test_ray_run.py), from the same config.
+tests/integration/test_ray_run.py), from the same config.
 
 A sweep on the same cluster: the node of a trial's process is lost, and Tune's retry goes on from the trial's
 own checkpoint to the uninterrupted result.

@@ -9,10 +9,10 @@ import os
 import re
 import subprocess
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Tables of results written by the comparison runs (their cells hold the data paths the runs were given), and
 # this file, whose examples spell out what is refused.
-EXEMPT = {"benchmarks/results_compare.md", "tests/test_citations.py"}
+EXEMPT = {"benchmarks/results_compare.md", "tests/unit/test_citations.py"}
 FORBIDDEN = [  # (what it is, pattern); case-insensitive
     ("a numbered specification", re.compile(r"\bspecs?\s*(?:\d{3}\b|§|p\d|pit[f]all)", re.I)),
     ("a specification file", re.compile(r"\bspecs/\d{3}_", re.I)),
@@ -56,7 +56,7 @@ def test_the_patterns_catch_what_they_are_for_and_spare_data_paths():
 
 def test_no_file_cites_what_a_clone_does_not_hold():
     files = repository_files()
-    assert "rayfl/metrics.py" in files and "tests/test_citations.py" in files  # the listing reached the tree
+    assert "rayfl/metrics.py" in files and "tests/unit/test_citations.py" in files  # the listing reached the tree
     found = []
     for rel in files:
         if rel in EXEMPT:

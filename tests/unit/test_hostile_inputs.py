@@ -1,4 +1,4 @@
-"""Hostile inputs that need more than a line of argv (tests/test_bad_inputs.py has the table): a silent or
+"""Hostile inputs that need more than a line of argv (tests/unit/test_bad_inputs.py has the table): a silent or
 foreign server given as the Ray address, hand-edited checkpoints, the Python API's wrong types, and the
 bounds that keep every refusal one short line. None of them starts Ray."""
 

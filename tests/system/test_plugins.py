@@ -55,7 +55,7 @@ ALGORITHM = Algorithm("fedeta", EtaParams, EtaServer, EtaClient, "FedAvg with a 
                       implies={}, plots={"P": Matrix("eta's matrix")})
 '''
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RAYFL = os.path.join(os.path.dirname(sys.executable), "rayfl")
 
 

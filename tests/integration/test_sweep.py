@@ -15,7 +15,7 @@ from rayfl.algorithms import algorithm_names
 from rayfl.cli import main
 from rayfl.config import UserError
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ["--dataset", "synthetic", "--partition", "iid", "--clients", "3", "--rounds", "2",
         "--samples-per-client", "40", "--batch-size", "16", "--clients-per-actor", "3"]  # one client actor: in-process trials
 

@@ -28,7 +28,7 @@ from ray.autoscaler._private.util import prepare_config, validate_config
 # Importing ray's CLI pulls in ray.serve, whose pydantic models warn about deprecated Field usage.
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
-CLUSTER_DIR = pathlib.Path(__file__).resolve().parent.parent / "cluster"
+CLUSTER_DIR = pathlib.Path(__file__).resolve().parents[2] / "cluster"
 CONFIGS = ["cluster.yaml", "onprem.yaml"]
 SCHEMA = json.loads((pathlib.Path(ray.autoscaler.__file__).parent / "ray-schema.json").read_text())
 PRIVATE_PORTS = {5000, 8265, 6379, 10001, 2049, 8076, 52365}

@@ -46,7 +46,7 @@ class NanServer(FedAvgServer):
 ALGORITHM = Algorithm("fednan", NanParams, NanServer, FedAvgClient, "FedAvg made NaN at round `at`")
 '''
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RAYFL = os.path.join(os.path.dirname(sys.executable), "rayfl")
 
 

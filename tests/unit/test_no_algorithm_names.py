@@ -14,7 +14,7 @@ import tokenize
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXEMPT = {os.path.join("rayfl", "algorithms"), os.path.join("rayfl", "comparison", "presets.py")}
 # Platform words that happen to be an algorithm's name too: "local" is Ray's address of a private instance
 # (``ray.init(address="local")``) and the comparison's in-process runtime (``runtime="local"``, ``--local``);

@@ -111,7 +111,7 @@ def test_a_partition_without_groups_is_refused_in_one_line():
 
 
 def test_the_grouped_partitions_are_those_that_give_groups():
-    for name in set(PARTITIONS) - {"natural"}:  # natural: the data's own clients (tests/test_datasets_custom.py)
+    for name in set(PARTITIONS) - {"natural"}:  # natural: the data's own clients (tests/integration/test_datasets_custom.py)
         cfg = tiny(partition=name, dataset="sine" if name == "latent" else "digits", clients=4, groups=2)
         fed = build_federation(cfg, load_dataset(cfg))
         assert (fed.clients[0].group is not None) == (name in GROUPED_PARTITIONS), name

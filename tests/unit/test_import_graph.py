@@ -12,7 +12,7 @@ import ast
 import os
 import tomllib
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def package_dirs(root: str = ROOT) -> dict[str, str]:
