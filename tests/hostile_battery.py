@@ -7,7 +7,7 @@ a mistake, 1 for a failure), a fragment of the one line printed, and files that 
 their headers (an IDX file that declares 640,000 images, a PNG that declares 60000x60000 pixels) and by
 ``available`` (the memory the budget sees, in bytes), so that a refusal before loading is what is asserted.
 
-``tests/test_hostile_inputs.py`` runs every case in its own process (no Ray starts; each is refused before).
+``tests/unit/test_hostile_inputs.py`` runs every case in its own process (no Ray starts; each is refused before).
 Run as a script, this module is the generator of the next battery: it runs every case as a user would, in a
 fresh ``rayfl`` process with a timeout and its memory watched, and prints how each ended (one line, a
 traceback, a hang, a silent accept) next to what was expected::
