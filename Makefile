@@ -9,10 +9,9 @@ TORCH ?= torch==2.14.1 torchvision==0.29.1
 CONSTRAINTS ?= constraints.txt
 PIN := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 
-# The suite's three layers (tests/unit, tests/integration, tests/system) run at once on TEST_JOBS pytest-xdist
-# workers: most of a Ray or subprocess test is waiting, so more workers than cores pay on two cores. Each
-# worker that runs a Ray test starts its own private Ray instance (tests/conftest.py).
-TEST_JOBS ?= 4
+# The suite's three layers (tests/unit, tests/integration, tests/system). `make test` runs them one test after
+# another: Ray and subprocess tests in parallel pytest-xdist workers on two cores thrashed (each worker's own Ray
+# instance). The unit layer has no Ray and no server, so `make test-fast` spreads it over FAST_JOBS workers.
 FAST_JOBS ?= 2
 
 .PHONY: demo test test-fast venv bench clean
@@ -32,7 +31,7 @@ demo: venv  ## the main job on the embedded default (digits, offline), logged to
 # pytest's exit status 5 (no test collected, as with a PYTEST_ARGS='-k' that selects nothing) is its own
 # closing line, not a failure.
 test: venv  ## the whole test suite, every layer (CPU only, no network)
-	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS) tests || [ $$? -eq 5 ]
+	$(PY) -m pytest -q $(PYTEST_ARGS) tests || [ $$? -eq 5 ]
 
 test-fast: venv  ## the unit layer only (no Ray, no server): under a minute
 	$(PY) -m pytest -q -n $(FAST_JOBS) $(PYTEST_ARGS) tests/unit || [ $$? -eq 5 ]
