@@ -271,14 +271,18 @@ class Loop:
 
     def diverged(self, step: int, problem: str) -> None:
         """End the run at ``step``: what is not finite, whether the server's model is, and what to change."""
-        final = self.server.final_model()
         try:
-            if final is not None and "global model" not in problem and model_has_nan(self.runtime.get([final])[0]):
+            if "global model" not in problem and self.global_model_nan():
                 problem += "; its global model has NaN or inf weights"
         except Exception:  # noqa: BLE001 - the divergence is the error to report
             pass
         algo = self.prepared.algorithm
         raise Diverged(step + 1, self.cfg.algo, problem, step_size_hint(self.cfg, algo.make_params(self.cfg.params)))
+
+    def global_model_nan(self) -> bool:
+        """Whether the server's global model (its final_model, where it has one) holds a NaN or an infinity."""
+        final = self.server.final_model()
+        return final is not None and model_has_nan(self.runtime.get([final])[0])
 
     def finish_after_failure(self) -> None:
         """The run is failing: report the round that was waiting, if it can be, so that nothing it logged is
@@ -307,8 +311,7 @@ class Loop:
         data (rayfl.snapshot), with the rayfl version and the config it belongs to (in ``directory``,
         default the run's checkpoint directory; the stage cache passes its own). A global model that is not
         finite is never written: the run has diverged, and the checkpoint on disk stays the last finite one."""
-        final = self.server.final_model()
-        if final is not None and model_has_nan(self.runtime.get([final])[0]):
+        if self.global_model_nan():
             self.diverged(step, "global model has NaN or inf weights")
         self._write_checkpoint(step, {"server": self.server.state_dict(), "clients": self.runtime.client_states(),
                                       "rng": self.rng.bit_generator.state,
