@@ -48,10 +48,11 @@ def live_nodes(free: bool = True) -> list[dict]:
     """What each live node of the connected cluster has free now (Ray's view; it omits what is used up), or
     in all (``free=False``: the shape to divide among experiments that run side by side)."""
     import ray
-    from ray._private.state import available_resources_per_node, total_resources_per_node
+
+    from rayfl.ray_compat import resources_per_node
 
     alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-    per_node = available_resources_per_node() if free else total_resources_per_node()
+    per_node = resources_per_node(free)
     return [{"node_id": node, **{k: float(have.get(k, 0.0)) for k in ("CPU", "GPU", "memory")}}
             for node, have in sorted(per_node.items()) if node in alive]
 

@@ -1,9 +1,9 @@
 """Every use of Ray's private internals, in one place, behind a check of the installed Ray's version.
 
-rayfl needs four things Ray has no public API for: ``ray.init``'s underscore arguments (a private instance's
+rayfl needs five things Ray has no public API for: ``ray.init``'s underscore arguments (a private instance's
 node address and its inline-object limit), re-reading Ray's environment switches after they change (token
 authentication and the single-machine switch, read when Ray is imported: Ray's own tests do the same between
-instances), and the log directory of the node this process is connected to. Private names move between
+instances), the log directory of the node this process is connected to, and what each node has free. Private names move between
 Ray releases, so a Ray outside ``SUPPORTED`` (or one that lacks a name used here) is one line before
 anything starts, never an AttributeError halfway through a run.
 """
@@ -78,6 +78,16 @@ def reload_env() -> None:
         "0", "false")
     Config.initialize("")
     AuthenticationTokenLoader.instance().reset_cache()
+
+
+def resources_per_node(free: bool) -> dict[str, dict]:
+    """Each node's resources by node id, free now (``free``) or in all; Ray's public API sums them over the
+    cluster."""
+    try:
+        from ray._private.state import available_resources_per_node, total_resources_per_node
+    except ImportError as e:
+        raise _unsupported(installed_ray_version(), f"this one lacks a private name rayfl uses: {e}") from None
+    return available_resources_per_node() if free else total_resources_per_node()
 
 
 def node_logs_dir() -> str | None:

@@ -107,7 +107,7 @@ def test_the_private_instance_options_are_what_ray_init_takes():
     assert all(f'kwargs.pop("{key}"' in source for key in options), sorted(options)
 
 
-PRIVATE = re.compile(r"ray\._private|ray\._raylet|ray\._common|_global_node|_system_config|_node_ip_address|"
+PRIVATE = re.compile(r"ray\._private|ray\._raylet|ray\._common|_global_node|_system_config|(?<!get)_node_ip_address|"
                      r"_internal_kv|authentication_test_utils")
 
 
