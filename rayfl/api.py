@@ -193,7 +193,8 @@ def run(config: str | dict | Config | None = None, *, resume: str | None = None,
     """Run one experiment and return its :class:`RunResult`.
 
     ``rayfl.run(algo="fedfomo", dataset="digits", clients=10, rounds=5, params={"M": 3})``;
-    ``resume=DIR`` goes on from the last checkpoint of a run directory (its own config.yaml is used);
+    ``resume=DIR`` goes on from the last checkpoint of a run directory (its own config.yaml is used, but for
+    a lower step size given with it: ``lr=``, ``params={"personal_lr": ...}``);
     ``progress``: True prints lines as ``rayfl run`` does, False nothing, or a callable gets each event
     (see :mod:`rayfl.progress`); ``plugins``: .py files or module names to load first, as ``--plugin``."""
     from rayfl.plugins import as_sources, load_plugins
@@ -209,19 +210,25 @@ def run(config: str | dict | Config | None = None, *, resume: str | None = None,
         raise UserError(f"resume={shown(resume)}: must be a run directory (a path)")
     if resume is not None and not os.fspath(resume).strip():
         raise UserError(f"resume={shown(resume)}: empty path; give a run directory")
+    steps: dict = {}
     if resume:
         resume = os.fspath(resume)
-        if config is not None or values:
-            raise UserError(f"resume={shown(resume)}: a resumed run uses its own config.yaml; pass no other settings")
-        cfg = None
+        other = [k for k in values if k not in ("lr", "params")]
+        if config is not None or other:
+            raise UserError(f"resume={shown(resume)}: a resumed run uses its own config.yaml; pass no other "
+                            f"settings than a lower step size (lr=, params={{'NAME_lr': ...}})")
+        steps, cfg = values, None
     else:
         cfg = make_run_config(config, **values)
-    return run_config(cfg, resume=resume, address=address, progress=_progress(progress), command=command)
+    return run_config(cfg, resume=resume, address=address, progress=_progress(progress), command=command,
+                      step_sizes=steps)
 
 
 def run_config(cfg: Config | None, *, resume: str | None = None, address: str | None = None,
-               progress: Progress = lambda e: None, command: str | None = None) -> RunResult:
-    """:func:`run` for a built Config (``None`` with ``resume``): checks, Ray, the run, the result."""
+               progress: Progress = lambda e: None, command: str | None = None,
+               step_sizes: dict | None = None) -> RunResult:
+    """:func:`run` for a built Config (``None`` with ``resume``, whose step sizes ``step_sizes`` may lower):
+    checks, Ray, the run, the result."""
     from rayfl.data.report import PartitionReport
     from rayfl.experiment import prepare
     from rayfl.provenance import origin
@@ -229,7 +236,7 @@ def run_config(cfg: Config | None, *, resume: str | None = None, address: str | 
 
     check_address(address)
     if resume:
-        cfg = load_run_dir(resume)
+        cfg = load_run_dir(resume, step_sizes)
     prepared = prepare(cfg)  # every user mistake surfaces here, before Ray starts
     if resume:  # and a checkpoint edited or cut short, against a fresh run of its config
         from rayfl.resume import check_checkpoint

@@ -14,7 +14,7 @@ import os
 import sys
 
 from rayfl.config import UserError, check_value, did_you_mean
-from rayfl.flags import add_config_arguments, config_flags_given, config_from_args
+from rayfl.flags import add_config_arguments, config_flags_given, config_from_args, parse_params
 from rayfl.session import RayStartError
 from rayfl.user_input import mask_credentials
 
@@ -111,11 +111,15 @@ def cmd_run(args) -> int:
 
     if args.resume is not None and not args.resume.strip():
         raise UserError(f"--resume {args.resume!r}: empty path; give a run directory")
+    steps: dict = {}
     if args.resume:
-        extra = config_flags_given(args)
+        extra = [flag for flag in config_flags_given(args) if flag not in ("--lr", "--param")]
         if extra:
             raise UserError(f"--resume {args.resume!r} with {extra[0]}: a resumed run keeps its saved config; "
-                            f"give only --resume DIR (and --address, --quiet)")
+                            f"give only --resume DIR (and --address, --quiet, or a lower step size: --lr, -p "
+                            f"NAME_lr=VALUE)")
+        steps = {**({"lr": args.lr} if getattr(args, "lr", None) is not None else {}),
+                 **({"params": parse_params(args.param)} if args.param else {})}
     cfg = None if args.resume else config_from_args(args)
     console = ConsoleProgress(rounds=not args.quiet)
     plan: dict = {}
@@ -129,7 +133,7 @@ def cmd_run(args) -> int:
     from rayfl.loop import Loop, NoCapacity
 
     try:
-        result = run_config(cfg, resume=args.resume, address=args.address, progress=show)
+        result = run_config(cfg, resume=args.resume, address=args.address, progress=show, step_sizes=steps)
     except (UserError, RayStartError):
         raise
     except KeyboardInterrupt:
@@ -141,8 +145,11 @@ def cmd_run(args) -> int:
     except Diverged as e:  # a loss or the model went non-finite: no result to report, the last finite checkpoint kept
         print(f"rayfl: {e}", file=sys.stderr)
         if plan and Loop.has_checkpoint(plan["run_dir"]):
-            print(f"rayfl: its last checkpoint, written before the divergence, is kept in {plan['run_dir']}",
-                  file=sys.stderr)
+            from rayfl.divergence import step_flag
+
+            lower = step_flag("lr", plan["cfg"].lr / 2)
+            print(f"rayfl: its last checkpoint, written before the divergence, is kept; go on from it with a lower "
+                  f"step size: rayfl run --resume {plan['run_dir']} {lower}", file=sys.stderr)
         return 1
     except Exception as e:  # the run failed inside Ray: say what, and where its remains are
         print(f"rayfl: run failed: {mask_credentials(_root_cause(e))}", file=sys.stderr)

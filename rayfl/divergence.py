@@ -62,12 +62,22 @@ def model_has_nan(vector) -> bool:
     return not np.isfinite(vector).all()
 
 
-def step_size_hint(cfg, params) -> str:
-    """Where to go next: the run's step sizes, halved (the run's ``lr`` and every knob of the algorithm named
-    ``*lr``), as flags to try."""
-    sizes = [("lr", cfg.lr, "--lr")]
+def step_sizes(cfg, params) -> dict[str, float]:
+    """A run's step sizes by flat config key: ``lr`` and every knob of its algorithm named ``*lr``
+    (``param.<name>``, as :meth:`rayfl.config.Config.to_flat` names it). These, and only these, a resumed run
+    may change (a lower step size after a divergence)."""
+    sizes = {"lr": cfg.lr}
     if is_dataclass(params):
-        sizes += [(f.name, getattr(params, f.name), f"-p {f.name}=") for f in fields(params)
-                  if f.name.endswith("lr") and isinstance(getattr(params, f.name), (int, float))]
-    tries = [f"{flag}{'' if flag.endswith('=') else ' '}{value / 2:g}" for _, value, flag in sizes]
-    return "lower a step size, e.g. " + " or ".join(tries)
+        sizes.update({f"param.{f.name}": getattr(params, f.name) for f in fields(params)
+                      if f.name.endswith("lr") and isinstance(getattr(params, f.name), (int, float))})
+    return sizes
+
+
+def step_flag(key: str, value: float) -> str:
+    """The flag that sets one step size: ``--lr 0.05`` or ``-p personal_lr=0.005``."""
+    return f"--lr {value:g}" if key == "lr" else f"-p {key[len('param.'):]}={value:g}"
+
+
+def step_size_hint(cfg, params) -> str:
+    """Where to go next: the run's step sizes, halved, as flags to try."""
+    return "lower a step size, e.g. " + " or ".join(step_flag(k, v / 2) for k, v in step_sizes(cfg, params).items())

@@ -83,6 +83,7 @@ class Loop:
         self.last_eval: dict[int, dict] = {}
         self.setup_metrics: dict = {}
         self.start_step = 0
+        self.step_size_changes: list[dict] = []  # step sizes lowered on a resume, kept in each checkpoint
         self.call_seconds = self.reporting_seconds = 0.0
         self.unfinished: tuple | None = None  # (record, evaluation, when asked, snapshot) of a round not yet reported
         self.stop_requested = False
@@ -352,6 +353,8 @@ class Loop:
     def _write_checkpoint(self, step: int, parts: dict, directory: str | None = None) -> None:
         values, digest = config_fingerprint(self.cfg)
         state = {"rayfl_version": _version(), "config_hash": digest, "config": values, "step": step, **parts}
+        if self.step_size_changes:
+            state["step_size_changes"] = self.step_size_changes
         path = self.checkpoint_path(directory)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         snapshot.save(path, state)  # atomic: never a half-written checkpoint
@@ -406,6 +409,7 @@ class Loop:
         self.last_eval = state["last_eval"]
         self.setup_metrics = state["setup_metrics"]
         self.dp_history = [list(h) for h in state.get("dp_history", [])]
+        self.step_size_changes = state.get("step_size_changes", [])  # rayfl.resume.with_step_sizes
         self.start_step = state["step"] + 1
         return True
 

@@ -219,3 +219,64 @@ def _fresh_host(prepared):
         torch.set_num_threads(threads)
 
     return host, restore
+
+
+STEP_SIZE_CHANGES = "step_size_changes"  # the checkpoint's record of step sizes changed on resume
+
+
+def with_step_sizes(run_dir: str, cfg, changes: dict):
+    """The saved config ``cfg`` of a run directory with some of its step sizes changed, for a run resumed after
+    a divergence (``rayfl run --resume DIR --lr 0.05``). Only step sizes may change (``lr`` and the algorithm's
+    ``*lr`` knobs): anything else would make the checkpoint another config's. The checkpoint is re-keyed to the
+    new config, recording each change and the round it applies from, and config.yaml says the new values, so
+    a later ``--resume`` goes on with them. Returns the new Config."""
+    import dataclasses
+
+    import yaml
+
+    from rayfl import snapshot
+    from rayfl.algorithms import get_algorithm
+    from rayfl.config import make_config
+    from rayfl.divergence import step_sizes
+    from rayfl.loop import CHECKPOINT_FILE, Loop, config_fingerprint
+
+    sizes = step_sizes(cfg, get_algorithm(cfg.algo).make_params(cfg.params))
+    asked = {**{k: v for k, v in changes.items() if k != "params"},
+             **{f"param.{k}": v for k, v in (changes.get("params") or {}).items()}}
+    flags = ", ".join("--lr" if k == "lr" else f"-p {k[len('param.'):]}" for k in sizes)
+    for key, value in asked.items():
+        if key not in sizes:
+            name = f"params.{key[len('param.'):]}" if key.startswith("param.") else key
+            raise UserError(f"--resume {run_dir!r} with {name}={shown(value)}: a resumed run keeps its saved "
+                            f"config but for its step sizes ({flags}); start a new run to change {name}")
+    values = dataclasses.asdict(cfg)
+    values.update({k: v for k, v in changes.items() if k != "params"})
+    values["params"] = {**cfg.params, **(changes.get("params") or {})}
+    try:
+        new = make_config(None, values)
+    except UserError as e:
+        raise UserError(f"--resume {run_dir!r}: {e}") from None
+    new_sizes = step_sizes(new, get_algorithm(new.algo).make_params(new.params))
+    changed = {k: [sizes[k], new_sizes[k]] for k in sizes if sizes[k] != new_sizes[k]}
+    if not changed:
+        return cfg
+    state = Loop.read_checkpoint(run_dir, cfg)
+    flat, digest = config_fingerprint(new)
+    state[STEP_SIZE_CHANGES] = [*state.get(STEP_SIZE_CHANGES, []), {"from_round": state["step"] + 2, **changed}]
+    state.update(config=flat, config_hash=digest)
+    snapshot.save(os.path.join(run_dir, CHECKPOINT_FILE), state)  # atomic: the old one until the new is whole
+    path = os.path.join(run_dir, "config.yaml")
+    with open(path) as f:
+        record = yaml.safe_load(f)
+    record.update({k: v for k, v in dataclasses.asdict(new).items() if k in ("lr", "params")})
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        yaml.safe_dump(record, f, sort_keys=False)
+    os.replace(tmp, path)
+    return new
+
+
+def step_size_note(changes: list[dict]) -> str:
+    """The step sizes a resumed run changed, as one line for its MLflow run: ``lr 0.1 -> 0.05 from round 4``."""
+    return "; ".join(f"{k[len('param.'):] if k.startswith('param.') else k} {v[0]:g} -> {v[1]:g} from round "
+                     f"{c['from_round']}" for c in changes for k, v in c.items() if k != "from_round")

@@ -286,8 +286,10 @@ def make_run_dir(cfg, run_name: str, uri: str) -> str:
     return run_dir
 
 
-def load_run_dir(run_dir: str):
-    """The Config saved in a run directory, for --resume: it must be a rayfl run directory with a checkpoint."""
+def load_run_dir(run_dir: str, step_sizes: dict | None = None):
+    """The Config saved in a run directory, for --resume: it must be a rayfl run directory with a checkpoint.
+    ``step_sizes`` (``{"lr": 0.05, "params": {"personal_lr": 0.005}}``) changes those of its step sizes, and
+    nothing else (rayfl.resume.with_step_sizes)."""
     check_value("--resume", run_dir)
     saved = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(saved):
@@ -305,4 +307,8 @@ def load_run_dir(run_dir: str):
         raise UserError(f"--resume {run_dir!r}: no checkpoint there to go on from (the run saved none: "
                         f"--checkpoint-every N); start it again without --resume")
     Loop.read_checkpoint(run_dir, cfg)  # another version's, another config's, or not plain data: refused now
+    if step_sizes:
+        from rayfl.resume import with_step_sizes
+
+        cfg = with_step_sizes(run_dir, cfg, step_sizes)
     return cfg

@@ -530,6 +530,10 @@ class MlflowTracker(Callback):
                 self.run_id = reopen
                 client.update_run(reopen, status="RUNNING")
                 self._already_logged(reopen)
+                if loop.step_size_changes:  # its params say the first values; this, what the later rounds used
+                    from rayfl.resume import step_size_note
+
+                    client.set_tag(reopen, "rayfl.step_sizes", step_size_note(loop.step_size_changes))
             else:
                 parent = {"mlflow.parentRunId": self.parent_run_id} if self.parent_run_id else {}
                 table = {"mlflow.loggedArtifacts": json.dumps([{"path": "results/clients.json", "type": "table"}])}

@@ -10,6 +10,8 @@ import pytest
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private local instance needs no token
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# An MLflow server a test starts runs no job consumers (a dozen processes for GenAI jobs rayfl never submits).
+os.environ.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
 
 
 def tiny(**overrides):

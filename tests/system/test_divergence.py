@@ -27,7 +27,7 @@ from rayfl.algorithms.baselines import FedAvgClient, FedAvgServer
 @dataclass
 class NanParams:
     at: int = 1  # the round (from 0) whose average is made NaN
-    inner_lr: float = 0.2  # a step size of the algorithm's own, for the hint
+    inner_lr: float = 0.2  # a step size of the algorithm's own: above 0.15 the model goes NaN at round `at`
 
     def check(self, n_clients: int) -> None:
         pass
@@ -36,7 +36,7 @@ class NanParams:
 class NanServer(FedAvgServer):
     def run_round(self, stage, rnd, participants, call):
         out = super().run_round(stage, rnd, participants, call)
-        if rnd == self.params.at:
+        if rnd == self.params.at and self.params.inner_lr > 0.15:  # too large a step: NaN
             w = np.array(self.get([self.global_ref])[0])
             w[0] = np.nan
             self.global_ref = self.put(w)
@@ -146,11 +146,26 @@ def test_the_command_on_ray_says_one_line_and_exits_1(nan_plugin, tmp_path):
     assert out.returncode == 1, out.stderr
     lines = [line for line in out.stderr.splitlines() if line.startswith("rayfl:")]
     assert lines[0].startswith("rayfl: run diverged at round 2: fednan test loss is NaN for 3 of 3 clients")
-    assert "its last checkpoint, written before the divergence, is kept in" in lines[1]
+    run_dir = str(tmp_path / "runs" / os.listdir(tmp_path / "runs")[0])
+    assert lines[1] == ("rayfl: its last checkpoint, written before the divergence, is kept; go on from it with a "
+                        f"lower step size: rayfl run --resume {run_dir} --lr 0.025")
     assert "Traceback" not in out.stderr and "final round" not in out.stdout
-    run = mlflow.MlflowClient(uri).search_runs([mlflow.MlflowClient(uri).get_experiment_by_name("rayfl")
-                                                .experiment_id])[0]
+    client = mlflow.MlflowClient(uri)
+    [run] = client.search_runs([client.get_experiment_by_name("rayfl").experiment_id])
     assert run.info.status == "FAILED"
+
+    # a step size that is not lowered is refused; the algorithm's own, lowered, goes on to the end, same run
+    base = [RAYFL, "run", "--plugin", nan_plugin, "--resume", run_dir, "--quiet"]
+    refused = subprocess.run(base + ["--batch-size", "8"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                             timeout=60)
+    assert refused.returncode == 2 and refused.stderr.startswith(f"rayfl: error: --resume {run_dir!r} with --batch-size")
+    again = subprocess.run(base + ["-p", "inner_lr=0.1"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert "final round 4" in again.stdout
+    [run] = client.search_runs([client.get_experiment_by_name("rayfl").experiment_id])
+    assert run.info.status == "FINISHED" and run.data.tags["rayfl.step_sizes"] == "inner_lr 0.2 -> 0.1 from round 2"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "accuracy/test mean")] == [1, 2, 3, 4]
 
 
 def test_the_api_raises_diverged_and_compare_shows_the_row_as_diverged(nan_plugin, tmp_path, ray_session):
