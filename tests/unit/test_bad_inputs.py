@@ -147,6 +147,10 @@ CASES = [
     ("lr_zero", run("--lr", "0"), "lr=0.0: must be > 0"),
     ("lr_word", run("--lr", "fast"), "lr='fast': must be a finite number"),
     ("momentum_nan", run("--momentum", "nan"), "momentum='nan': must be a finite number"),
+    # --- a DP knob for a run without DP is not silently ignored
+    ("dp_clip_without_noise", run("--dp-clip", "0.5"),
+     "dp_clip=0.5: differential privacy is off (dp_noise=0); give dp_noise > 0 (--dp-noise) to turn it on"),
+    ("dp_accountant_without_noise", run("--dp-accountant", "prv"), "dp_accountant='prv': differential privacy is off"),
     ("momentum_negative", run("--momentum", "-0.5"), "momentum=-0.5: must be >= 0"),
     ("weight_decay_inf", run("--weight-decay", "inf"), "weight_decay='inf': must be a finite number"),
     ("weight_decay_negative", run("--weight-decay", "-1"), "weight_decay=-1.0: must be >= 0"),
