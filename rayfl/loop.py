@@ -64,8 +64,11 @@ class RoundRecord:
 
 def round_event(loop: "Loop", record: RoundRecord) -> dict:
     """What a submitter sees of a round (progress, Tune reports): plain data, the same from every runtime."""
+    total = len(loop.schedule())
     return {"step": record.step, "stage": record.stage, "metrics": record.metrics,
-            "participants": len(record.participants), "total": len(loop.schedule()), "warnings": record.warnings}
+            "participants": len(record.participants), "total": total, "warnings": record.warnings,
+            "evaluated": loop.evaluates(record.step),
+            "evaluated_left": sum(loop.evaluates(s) for s in range(record.step + 1, total))}
 
 
 class Loop:
@@ -182,6 +185,10 @@ class Loop:
                 raise
             i += 1
 
+    def evaluates(self, step: int) -> bool:
+        """Whether round ``step`` evaluates every client: each ``eval_every``-th, and the last."""
+        return step == len(self.schedule()) - 1 or step % self.cfg.eval_every == 0
+
     def run_step(self, step: int, stage, last: bool) -> None:
         """Setup (before the first round), then one round: train, then evaluate and keep; the round is
         reported (:meth:`finish_round`) once its evaluation is back."""
@@ -203,7 +210,7 @@ class Loop:
         warnings = list(self.server.warnings())
         metrics["client_call_seconds"] = self.call_seconds
         self.finish_round()  # a round that made no client call has not reported the one before yet
-        evaluated = last or step % self.cfg.eval_every == 0
+        evaluated = last or self.evaluates(step)
         t1 = time.perf_counter()
         evaluation = None
         if evaluated:  # every client's personalized model on its own test split

@@ -69,11 +69,14 @@ def format_seconds(s: float) -> str:
 
 
 class RoundClock:
-    """Round wall times from the driver's timestamps, and the time left at their mean."""
+    """Round wall times from the driver's timestamps, and the time the rounds left will take: nothing until
+    two rounds are timed (the first carries the start of the pipeline), then each kind of round left (one
+    that evaluates every client, one that does not) at the mean of its own kind, or of the other kind when
+    none of its own has been timed yet."""
 
     def __init__(self):
         self.last: float | None = None
-        self.walls: list[float] = []
+        self.walls: dict[bool, list[float]] = {True: [], False: []}
 
     def mark(self, t: float) -> None:
         """The loop (re)started or finished its setup at driver time ``t``: round 1 counts from here."""
@@ -84,9 +87,15 @@ class RoundClock:
         self.last = rec["time"]
         if wall is None:
             return None, None
-        self.walls.append(wall)
+        evaluated = rec.get("evaluated", True)
+        self.walls[evaluated].append(wall)
+        timed = self.walls[True] + self.walls[False]
+        if len(timed) < 2:
+            return wall, None
         left = rec["total"] - rec["step"] - 1
-        return wall, sum(self.walls) / len(self.walls) * left
+        evaluated_left = min(rec.get("evaluated_left", left), left)
+        mean = {kind: sum(w) / len(w) if w else sum(timed) / len(timed) for kind, w in self.walls.items()}
+        return wall, evaluated_left * mean[True] + (left - evaluated_left) * mean[False]
 
 
 class ConsoleProgress:

@@ -186,8 +186,28 @@ def test_console_progress_plain_lines_wall_time_and_eta():
     assert "\r" not in out.getvalue()
     assert lines[0].startswith("rayfl: client actors ready 0/2") and lines[1].startswith(
         "rayfl: client actors ready 2/2")
-    assert lines[2].endswith("1.00s  eta 0:03")  # 1 s, 3 rounds left at 1 s
+    assert lines[2].endswith("1.00s")  # one round timed: no estimate yet
     assert lines[3].endswith("3.00s  eta 0:04")  # 3 s, 2 left at the mean 2 s
+
+
+def test_the_eta_times_rounds_that_evaluate_apart_from_those_that_do_not():
+    """Every 5th round evaluates and takes 10 s, the others 1 s: 16 rounds left of which 3 evaluate."""
+    from rayfl.progress import RoundClock
+
+    clock, t, etas = RoundClock(), 0.0, []
+    clock.mark(t)
+    for step in range(4):  # rounds 1-4 (step 0 evaluates)
+        t += 10.0 if step == 0 else 1.0
+        etas.append(clock.round({"step": step, "total": 20, "time": t, "evaluated": step == 0,
+                                 "evaluated_left": 3})[1])
+    assert etas[0] is None  # one round timed
+    assert etas[1] == 3 * 10.0 + 15 * 1.0  # 18 left, 3 evaluate: each kind at its own mean
+    assert etas[3] == 3 * 10.0 + 13 * 1.0
+    # before an evaluated round has been timed, it is estimated at the plain rounds' mean
+    fresh = RoundClock()
+    fresh.mark(0.0)
+    fresh.round({"step": 0, "total": 10, "time": 2.0, "evaluated": False, "evaluated_left": 5})
+    assert fresh.round({"step": 1, "total": 10, "time": 6.0, "evaluated": False, "evaluated_left": 1})[1] == 8 * 3.0
 
 
 def test_console_progress_rewrites_the_actor_line_on_a_terminal():

@@ -86,3 +86,19 @@ def test_resume_from_checkpoint_matches_uninterrupted(tmp_path):
                                [h["test_acc_mean"] for h in full])
     np.testing.assert_allclose([h["test_loss_mean"] for h in resumed.history],
                                [h["test_loss_mean"] for h in full], rtol=1e-6)
+
+
+def test_round_events_say_which_rounds_evaluate_and_how_many_are_left_to():
+    """eval_every=3 over 7 rounds: rounds 1, 4 and 7 (steps 0, 3, 6) evaluate every client; the last always."""
+    from rayfl.loop import round_event
+
+    events = []
+
+    class Seen(Callback):
+        def on_round(self, loop, record):
+            events.append(round_event(loop, record))
+
+    run(tiny(algo="fedavg", rounds=7, eval_every=3), callbacks=[Seen()])
+    assert [e["evaluated"] for e in events] == [True, False, False, True, False, False, True]
+    assert [e["evaluated_left"] for e in events] == [2, 2, 2, 1, 1, 1, 0]
+    assert [("test_acc_mean" in e["metrics"]) for e in events] == [e["evaluated"] for e in events]
