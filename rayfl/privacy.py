@@ -167,9 +167,24 @@ def epsilon(history: list, delta: float, kind: str = "rdp") -> float:
     if key not in _EPSILON:
         if len(_EPSILON) > 4096:
             _EPSILON.clear()
-        _EPSILON[key] = _rdp_epsilon(history, delta) if kind == "rdp" else float(
-            _accountant(kind, history).get_epsilon(delta))
+        _EPSILON[key] = _rdp_epsilon(history, delta) if kind == "rdp" else _prv_epsilon(history, delta)
     return _EPSILON[key]
+
+
+def _prv_epsilon(history: list, delta: float) -> float:
+    """Opacus's ``PRVAccountant.get_epsilon``; a ValueError where it has no finite answer (its numerical range
+    ends at small noise multipliers: it returns inf, or NaN, where RDP still bounds ε)."""
+    import warnings
+
+    with warnings.catch_warnings():  # its overflows are the inf below, said once
+        warnings.simplefilter("ignore", RuntimeWarning)
+        eps = float(_accountant("prv", history).get_epsilon(delta))
+    if not math.isfinite(eps):
+        sigmas = ", ".join(sorted({f"{s:g}" for s, _, _ in history}))
+        raise ValueError(f"dp_accountant='prv': Opacus's PRV accountant has no finite ε at noise multiplier "
+                         f"{sigmas} (outside its numerical range); use dp_accountant=rdp (ε "
+                         f"{_rdp_epsilon(history, delta):.4g} here) or a larger dp_noise")
+    return eps
 
 
 _RDP_STEP: dict = {}  # (noise multiplier, sample rate) -> Opacus's RDP of one step at its default orders

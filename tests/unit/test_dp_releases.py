@@ -135,3 +135,20 @@ def test_epsilon_is_opacus_accountant_over_every_release(kind):
     for _ in range(steps * (2 + 2)):  # 2 FedAvg rounds + 2 students, one local epoch each
         ref.step(noise_multiplier=1.2, sample_rate=q)
     assert loop.final["dp_epsilon_max"] == pytest.approx(ref.get_epsilon(delta=1e-5), rel=1e-6)
+
+
+def test_the_prv_accountant_without_a_finite_answer_is_one_line_naming_rdp():
+    """Opacus's PRV accountant returns inf at small noise multipliers (where RDP still bounds ε): a run
+    asking for it there fails in one line instead of reporting ε = inf."""
+    from opacus.accountants import PRVAccountant
+
+    from rayfl.privacy import epsilon
+
+    acc = PRVAccountant()
+    for _ in range(5):
+        acc.step(noise_multiplier=1.0, sample_rate=0.1)
+    assert epsilon([(1.0, 0.1, 5)], 1e-5, "prv") == acc.get_epsilon(1e-5)  # within its range: Opacus's number
+    with pytest.raises(ValueError) as e:
+        epsilon([(0.05, 0.5, 5)], 1e-5, "prv")
+    assert str(e.value).startswith("dp_accountant='prv': Opacus's PRV accountant has no finite ε at noise "
+                                   "multiplier 0.05") and "use dp_accountant=rdp (ε 1174 here)" in str(e.value)
