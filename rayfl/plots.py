@@ -236,3 +236,27 @@ def grid_heatmap(df, x: str, y: str, metric: str, mode: str = "max"):
     fig.tight_layout()
     plt.close(fig)
     return fig
+
+
+def rounds_plot(curves, metric: str, title: str = "", caveat: str = ""):
+    """One line per algorithm over rounds: the mean over seeds, a band from the lowest to the highest seed;
+    1,000 px wide at MLflow's 100 dpi (its artifact pane), the legend beside the plot. ``caveat``: a line
+    under the title (the partition's warning)."""
+    fig, ax = plt.subplots(figsize=(10, 4.6))
+    scale = 100.0 if "_acc_" in metric else 1.0
+    for k, (algo, c) in enumerate(curves.groupby("algo", sort=False)):
+        colour = f"C{k % 10}"
+        ax.plot(c["round"], c["mean"] * scale, color=colour, marker="o" if len(c) <= 30 else None, ms=3,
+                lw=1.8, label=f"{algo} ({int(c['seeds'].max())} seed{'s' if c['seeds'].max() > 1 else ''})")
+        if (c["seeds"] > 1).any():
+            ax.fill_between(c["round"], c["low"] * scale, c["high"] * scale, color=colour, alpha=0.15, lw=0)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("round")
+    ax.set_ylabel(metric.replace("_", " ") + (" (%)" if scale == 100.0 else ""))
+    full = (title or f"{metric.replace('_', ' ')} per round") + " (band: lowest to highest seed)"
+    ax.set_title(_wrap(full, 100) + (f"\n{_wrap(caveat, 110)}" if caveat else ""), fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.tight_layout()
+    plt.close(fig)
+    return fig

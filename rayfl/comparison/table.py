@@ -158,7 +158,7 @@ def bar_chart(table: pd.DataFrame, title: str = ""):
 
     cols = [c for c in (*CLASSIFICATION, *REGRESSION) if c in table]
     percent = cols[0].startswith("test_acc")
-    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(table)) + 1.8, 4))
+    fig, ax = plt.subplots(figsize=(min(12.0, max(6, 0.8 * len(table)) + 1.8), 4.2))  # <= 1,200 px at 100 dpi
     names = {"mean": "mean", "worst": "worst client", "bottom10_mean": "bottom 10% mean"}
     width = 0.8 / len(cols)
     x = np.arange(len(table))
@@ -172,7 +172,7 @@ def bar_chart(table: pd.DataFrame, title: str = ""):
             ax.scatter(pos, table[f"paper {c}"], marker="_", s=300, color="black", zorder=3,
                        label="paper" if not any(t.get_label() == "paper" for t in ax.collections) else None)
     ax.set_xticks(x)
-    ax.set_xticklabels(table["algo"], rotation=15, ha="right")
+    ax.set_xticklabels(table["algo"], rotation=15 if len(table) <= 6 else 35, ha="right", fontsize=8)
     ax.set_ylabel("test accuracy (%)" if percent else "test loss")
     ax.set_title(_wrap(title or "final round, mean ± std over seeds", 90), fontsize=10)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)  # beside the bars
