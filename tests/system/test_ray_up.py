@@ -1,0 +1,251 @@
+"""`ray up cluster/onprem.yaml`, `ray job submit` and `ray down`, run for real against three emulated machines.
+
+The machines (a head and two workers, each with its own address, process table, /tmp and home, reached by its
+own sshd: see tests/emulated_machines.py) take the place of the servers a user lists in ``cluster/onprem.yaml``.
+The config is the project's own, changed where this machine differs from the user's:
+- the addresses (``head_ip``, ``worker_ips``) and the SSH key (a throwaway one) are the emulated machines';
+- the install steps (uv downloaded with curl, a Python 3.11 venv made by uv, the pinned packages from PyPI) need
+  the internet, which the emulated network has not: one step links ``~/venv`` to the venv that runs these tests
+  instead (the pinned versions, with this checkout installed editable, as the config's `-e ~/rayfl` does).
+  Every other command runs as written: the token made 600, the venv activated in ``~/.bashrc``, `ray down`'s
+  stop of the workers, the MLflow server on the head's address, `ray start` on every node.
+
+Then, as cluster/README.md tells a user: `ray up -y`, `ray dashboard` (the SSH forward), `ray job submit
+--working-dir .` of a small `rayfl run` with default sizing, MLflow read through the head's server, `ray down -y`.
+Checked: both workers join (autoscaler v1 from the config), each node under its own address, the head with no
+CPU; the run finishes and its metrics and artifacts are on the head's MLflow server (the artifacts on the head's
+disk); the client actors ran on both workers; `ray down` leaves no Ray process on any machine.
+
+Not covered here (no internet on the emulated network): the download of uv and the installs from PyPI; the
+nodes' user is uid 0 (named ubuntu); one sshd host key for all three machines.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+REPO = Path(__file__).resolve().parents[2]
+NAMES = ["head", "worker1", "worker2"]
+CLIENTS, ROUNDS = 4, 2
+EXPERIMENT = "ray-up"
+VENV = Path(sys.prefix)
+RAY_PROCESS = re.compile(r"raylet|gcs_server|dashboard|log_monitor|monitor\.py|default_worker|ray::|"
+                         r"runtime_env/agent|ray_client_server|ray/_private/(workers|log_monitor)")
+
+
+def derived_config(machines) -> dict:
+    """cluster/onprem.yaml with the emulated machines' addresses and key, and the venv that runs the tests in
+    place of the installs from the internet (see the module's docstring)."""
+    cfg = yaml.safe_load((REPO / "cluster" / "onprem.yaml").read_text())
+    head, *workers = machines.machines.values()
+    cfg["provider"]["head_ip"] = head.ip
+    cfg["provider"]["worker_ips"] = [w.ip for w in workers]
+    cfg["auth"]["ssh_private_key"] = "~/.ssh/id_ed25519"
+    installs = [c for c in cfg["setup_commands"] if "uv" in c.split() or "~/.local/bin/uv" in c]
+    assert len(installs) == 3, f"expected the three install steps (uv, venv, packages): {installs}"
+    setup = []
+    for cmd in cfg["setup_commands"]:
+        if cmd not in installs:
+            setup.append(cmd)
+        elif cmd == installs[0]:
+            setup.append(f"ln -sfn {VENV} ~/venv")
+    cfg["setup_commands"] = setup
+    return cfg
+
+
+def _tail(text: str, n: int = 6000) -> str:
+    return text[-n:]
+
+
+@pytest.fixture
+def machines():
+    from emulated_machines import Machines, missing_tools
+
+    if missing := missing_tools():
+        pytest.skip(f"cannot emulate the machines here (missing: {', '.join(missing)}; .ci/run installs "
+                    f"openssh-server and rsync)")
+    for tool in ("ray", "mlflow", "rayfl"):
+        assert (VENV / "bin" / tool).exists(), f"{VENV}/bin/{tool} missing: the nodes run it from this venv"
+    import tempfile
+
+    root = tempfile.mkdtemp(prefix="rfl-up-", dir="/tmp")
+    lab = None
+    try:
+        lab = Machines(root, NAMES)
+        yield lab
+    finally:
+        left = lab.close() if lab is not None else []
+        subprocess.run(["rm", "-rf", root], check=False)
+        assert not left, f"processes survived the teardown: {left}"
+
+
+class Launcher:
+    """Commands run where the user runs `ray up` (the emulated network's launcher), from the repository root."""
+
+    def __init__(self, lab, token: str):
+        self.lab = lab
+        self.env = lab.launcher_env(str(REPO), RAY_AUTH_MODE="token",
+                                    PATH=f"{VENV}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+        self.token = token
+        self.background: list[subprocess.Popen] = []
+
+    def run(self, *cmd: str, timeout: float) -> subprocess.CompletedProcess:
+        try:
+            return subprocess.run(self.lab.launcher_command(list(cmd)), env=self.env, capture_output=True,
+                                  text=True, timeout=timeout, start_new_session=True)
+        except subprocess.TimeoutExpired as e:
+            out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+            pytest.fail(f"`{' '.join(cmd[:3])}` did not finish in {timeout:.0f}s:\n{_tail(out)}\n"
+                        f"{self.head_logs()}")
+
+    def start(self, *cmd: str, log: Path) -> subprocess.Popen:
+        proc = subprocess.Popen(self.lab.launcher_command(list(cmd)), env=self.env, stdout=open(log, "w"),
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        self.background.append(proc)
+        return proc
+
+    def get(self, url: str) -> dict | None:
+        """A dashboard API answer through the forward, with the cluster's token; None if it does not answer."""
+        r = self.lab.lan_run(["curl", "-sf", "-m", "10", "-H", f"Authorization: Bearer {self.token}", url],
+                             timeout=20)
+        try:
+            return json.loads(r.stdout) if r.returncode == 0 else None
+        except json.JSONDecodeError:
+            return None
+
+    def head_logs(self) -> str:
+        logs = self.lab.machines["head"].tmp / "ray" / "session_latest" / "logs"
+        out = []
+        for name in ("monitor.out", "monitor.log"):
+            f = logs / name
+            if f.exists():
+                out.append(f"--- head {name}:\n{_tail(f.read_text(errors='replace'), 3000)}")
+        return "\n".join(out)
+
+    def stop(self) -> None:
+        for proc in self.background:
+            if proc.poll() is None:
+                proc.terminate()  # unshare --kill-child: its command (and that PID namespace) ends with it
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+
+
+MLFLOW_CHECK = textwrap.dedent("""
+    import json, os, sys, tempfile
+    from mlflow.tracking import MlflowClient
+    client = MlflowClient(sys.argv[1])
+    exp = client.get_experiment_by_name(sys.argv[2])
+    runs = client.search_runs([exp.experiment_id]) if exp else []
+    out = {"runs": []}
+    for run in runs:
+        rid = run.info.run_id
+        d = tempfile.mkdtemp()
+        with open(client.download_artifacts(rid, "placement.json", d)) as f:
+            placement = json.load(f)
+        out["runs"].append({
+            "id": rid, "status": run.info.status, "artifact_uri": run.info.artifact_uri,
+            "steps": {k: [m.step for m in client.get_metric_history(rid, k)]
+                      for k in ("test_acc_mean", "test_loss_mean")},
+            "artifacts": sorted(a.path for a in client.list_artifacts(rid)),
+            "placement": placement})
+    print(json.dumps(out))
+""")
+
+
+def test_ray_up_job_submit_ray_down_on_emulated_machines(machines):
+    t0 = time.monotonic()
+    lab = machines
+    head, worker1, worker2 = (lab.machines[n] for n in NAMES)
+    token = secrets.token_hex(32)
+    (lab.launcher_home / ".ray").mkdir()
+    (lab.launcher_home / ".ray" / "auth_token").write_text(token)
+    cfg_file = lab.launcher_home / "onprem.yaml"
+    cfg_file.write_text(yaml.safe_dump(derived_config(lab), sort_keys=False))
+    config = "/home/launcher/onprem.yaml"
+    launcher = Launcher(lab, token)
+    marks = {}
+    try:
+        # --- ray up ------------------------------------------------------------------------------------
+        up = launcher.run("ray", "up", "-y", config, timeout=240)
+        marks["ray up"] = time.monotonic() - t0
+        assert up.returncode == 0, f"`ray up` failed:\n{_tail(up.stdout + up.stderr)}"
+        forward = launcher.start("ray", "dashboard", config, log=lab.root / "dashboard.log")
+        # Both workers join (the autoscaler on the head starts them after `ray up` returns).
+        deadline, nodes = time.monotonic() + 180, []
+        while time.monotonic() < deadline:
+            answer = launcher.get("http://127.0.0.1:8265/api/v0/nodes?limit=100&detail=1")
+            if answer is not None:
+                nodes = [n for n in answer["data"]["result"]["result"] if n["state"] == "ALIVE"]
+                if len(nodes) == 3:
+                    break
+            assert forward.poll() is None, f"`ray dashboard` ended:\n{(lab.root / 'dashboard.log').read_text()}"
+            time.sleep(2)
+        marks["workers joined"] = time.monotonic() - t0
+        by_ip = {n["node_ip"]: n for n in nodes}
+        assert sorted(by_ip) == sorted(m.ip for m in (head, worker1, worker2)), \
+            f"not every machine's node is up under its own address: {sorted(by_ip)}\n{launcher.head_logs()}"
+        assert by_ip[head.ip]["is_head_node"]
+        assert by_ip[head.ip]["resources_total"].get("CPU", 0) == 0
+        for w in (worker1, worker2):
+            assert by_ip[w.ip]["resources_total"].get("GPU") == 2, by_ip[w.ip]["resources_total"]
+            assert by_ip[w.ip]["resources_total"].get("CPU", 0) >= 1
+
+        # --- ray job submit ------------------------------------------------------------------------------
+        job = launcher.run("ray", "job", "submit", "--address", "http://127.0.0.1:8265", "--working-dir", ".",
+                           "--", "rayfl", "run", "--dataset", "synthetic", "--clients", str(CLIENTS),
+                           "--rounds", str(ROUNDS), "--samples-per-client", "60", "--experiment", EXPERIMENT,
+                           timeout=240)
+        marks["job"] = time.monotonic() - t0
+        out = job.stdout + job.stderr
+        assert job.returncode == 0 and "succeeded" in out.lower(), f"the job failed:\n{_tail(out)}"
+        tracking = f"http://{head.ip}:5000"
+        m = re.search(r"MLflow run (\w+) in experiment '([^']+)' at (\S+)", out)
+        assert m and m.group(2) == EXPERIMENT and m.group(3) == tracking, _tail(out)
+
+        # --- the run on the head's MLflow server -----------------------------------------------------------
+        check = lab.lan_run([str(VENV / "bin" / "python"), "-c", MLFLOW_CHECK, tracking, EXPERIMENT],
+                            timeout=120, env={"PATH": "/usr/bin:/bin", "HOME": str(lab.launcher_home)})
+        assert check.returncode == 0, check.stderr[-4000:]
+        [run] = json.loads(check.stdout)["runs"]
+        assert run["id"] == m.group(1) and run["status"] == "FINISHED"
+        assert run["steps"] == {k: list(range(1, ROUNDS + 1)) for k in ("test_acc_mean", "test_loss_mean")}
+        assert run["artifact_uri"].startswith("mlflow-artifacts:"), run["artifact_uri"]
+        assert "placement.json" in run["artifacts"], run["artifacts"]
+        on_disk = list((head.home / "mlflow" / "artifacts").rglob("placement.json"))
+        assert len(on_disk) == 1 and run["id"] in str(on_disk[0]), on_disk
+        for w in (worker1, worker2):
+            assert not list(w.home.rglob("mlruns")) and not list(w.home.rglob("mlflow.db")), w.name
+        placement = run["placement"]["placement"] if isinstance(run["placement"], dict) else run["placement"]
+        assert sorted(c for a in placement for c in a["clients"]) == list(range(CLIENTS))
+        ips = {n["node_id"]: ip for ip, n in by_ip.items()}
+        actor_ips = {ips.get(a["node_id"]) for a in placement}
+        assert actor_ips == {worker1.ip, worker2.ip}, f"client actors not on both workers: {placement}"
+    finally:
+        # --- ray down (also after a failure: the cluster goes down the way a user takes it down) -------------
+        down = launcher.run("ray", "down", "-y", config, timeout=120)
+        marks["ray down"] = time.monotonic() - t0
+        launcher.stop()
+    print("seconds since start: " + ", ".join(f"{k} {v:.0f}" for k, v in marks.items()))
+    assert down.returncode == 0, f"`ray down` failed:\n{_tail(down.stdout + down.stderr)}"
+    deadline = time.monotonic() + 30
+    while True:
+        left = {m.name: [c for _, c in lab.processes(m) if RAY_PROCESS.search(c)] for m in lab.machines.values()}
+        if not any(left.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert not any(left.values()), f"Ray processes left after `ray down`: {left}\n{_tail(down.stdout)}"
