@@ -27,7 +27,6 @@ import re
 import secrets
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -86,7 +85,9 @@ def machines():
         lab = Machines(root, NAMES)
         yield lab
     finally:
+        t = time.monotonic()
         left = lab.close() if lab is not None else []
+        print(f"machines stopped in {time.monotonic() - t:.1f}s")
         subprocess.run(["rm", "-rf", root], check=False)
         assert not left, f"processes survived the teardown: {left}"
 
@@ -102,13 +103,16 @@ class Launcher:
         self.background: list[subprocess.Popen] = []
 
     def run(self, *cmd: str, timeout: float) -> subprocess.CompletedProcess:
+        """``cmd`` to its end; one that runs past ``timeout`` is ended (its PID namespace with it) and answers
+        returncode None with what it wrote."""
         try:
             return subprocess.run(self.lab.launcher_command(list(cmd)), env=self.env, capture_output=True,
                                   text=True, timeout=timeout, start_new_session=True)
         except subprocess.TimeoutExpired as e:
-            out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-            pytest.fail(f"`{' '.join(cmd[:3])}` did not finish in {timeout:.0f}s:\n{_tail(out)}\n"
-                        f"{self.head_logs()}")
+            def text(b):
+                return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+            return subprocess.CompletedProcess(e.cmd, None, text(e.stdout) + f"\n[ended after {timeout:.0f}s]",
+                                               text(e.stderr))
 
     def start(self, *cmd: str, log: Path) -> subprocess.Popen:
         proc = subprocess.Popen(self.lab.launcher_command(list(cmd)), env=self.env, stdout=open(log, "w"),
@@ -116,22 +120,30 @@ class Launcher:
         self.background.append(proc)
         return proc
 
-    def get(self, url: str) -> dict | None:
-        """A dashboard API answer through the forward, with the cluster's token; None if it does not answer."""
-        r = self.lab.lan_run(["curl", "-sf", "-m", "10", "-H", f"Authorization: Bearer {self.token}", url],
-                             timeout=20)
+    def get(self, url: str, data: dict | None = None, token: bool = False, raw: bool = False):
+        """An HTTP answer from the emulated network (the dashboard through the forward, with the cluster's
+        token; the head's MLflow server), parsed as JSON unless ``raw``; None if it does not answer."""
+        cmd = ["curl", "-sf", "-m", "10"]
+        if token:
+            cmd += ["-H", f"Authorization: Bearer {self.token}"]
+        if data is not None:
+            cmd += ["-H", "Content-Type: application/json", "-d", json.dumps(data)]
+        r = self.lab.lan_run([*cmd, url], timeout=20)
+        if r.returncode != 0:
+            return None
         try:
-            return json.loads(r.stdout) if r.returncode == 0 else None
+            return r.stdout if raw else json.loads(r.stdout)
         except json.JSONDecodeError:
             return None
 
     def head_logs(self) -> str:
-        logs = self.lab.machines["head"].tmp / "ray" / "session_latest" / "logs"
+        """The ends of the head's autoscaler and MLflow server logs, for a failure's message."""
+        head = self.lab.machines["head"]
+        logs = head.tmp / "ray" / "session_latest" / "logs"
         out = []
-        for name in ("monitor.out", "monitor.log"):
-            f = logs / name
+        for f in (logs / "monitor.out", logs / "monitor.log", head.home / "mlflow" / "server.log"):
             if f.exists():
-                out.append(f"--- head {name}:\n{_tail(f.read_text(errors='replace'), 3000)}")
+                out.append(f"--- head {f.name}:\n{_tail(f.read_text(errors='replace'), 3000)}")
         return "\n".join(out)
 
     def stop(self) -> None:
@@ -143,28 +155,6 @@ class Launcher:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=10)
-
-
-MLFLOW_CHECK = textwrap.dedent("""
-    import json, os, sys, tempfile
-    from mlflow.tracking import MlflowClient
-    client = MlflowClient(sys.argv[1])
-    exp = client.get_experiment_by_name(sys.argv[2])
-    runs = client.search_runs([exp.experiment_id]) if exp else []
-    out = {"runs": []}
-    for run in runs:
-        rid = run.info.run_id
-        d = tempfile.mkdtemp()
-        with open(client.download_artifacts(rid, "placement.json", d)) as f:
-            placement = json.load(f)
-        out["runs"].append({
-            "id": rid, "status": run.info.status, "artifact_uri": run.info.artifact_uri,
-            "steps": {k: [m.step for m in client.get_metric_history(rid, k)]
-                      for k in ("test_acc_mean", "test_loss_mean")},
-            "artifacts": sorted(a.path for a in client.list_artifacts(rid)),
-            "placement": placement})
-    print(json.dumps(out))
-""")
 
 
 def test_ray_up_job_submit_ray_down_on_emulated_machines(machines):
@@ -183,12 +173,12 @@ def test_ray_up_job_submit_ray_down_on_emulated_machines(machines):
         # --- ray up ------------------------------------------------------------------------------------
         up = launcher.run("ray", "up", "-y", config, timeout=240)
         marks["ray up"] = time.monotonic() - t0
-        assert up.returncode == 0, f"`ray up` failed:\n{_tail(up.stdout + up.stderr)}"
+        assert up.returncode == 0, f"`ray up` failed:\n{_tail(up.stdout + up.stderr)}\n{launcher.head_logs()}"
         forward = launcher.start("ray", "dashboard", config, log=lab.root / "dashboard.log")
         # Both workers join (the autoscaler on the head starts them after `ray up` returns).
         deadline, nodes = time.monotonic() + 180, []
         while time.monotonic() < deadline:
-            answer = launcher.get("http://127.0.0.1:8265/api/v0/nodes?limit=100&detail=1")
+            answer = launcher.get("http://127.0.0.1:8265/api/v0/nodes?limit=100&detail=1", token=True)
             if answer is not None:
                 nodes = [n for n in answer["data"]["result"]["result"] if n["state"] == "ALIVE"]
                 if len(nodes) == 3:
@@ -212,35 +202,46 @@ def test_ray_up_job_submit_ray_down_on_emulated_machines(machines):
                            timeout=240)
         marks["job"] = time.monotonic() - t0
         out = job.stdout + job.stderr
-        assert job.returncode == 0 and "succeeded" in out.lower(), f"the job failed:\n{_tail(out)}"
+        assert job.returncode == 0 and "succeeded" in out.lower(), \
+            f"the job failed:\n{_tail(out)}\n{launcher.head_logs()}"
         tracking = f"http://{head.ip}:5000"
         m = re.search(r"MLflow run (\w+) in experiment '([^']+)' at (\S+)", out)
         assert m and m.group(2) == EXPERIMENT and m.group(3) == tracking, _tail(out)
 
-        # --- the run on the head's MLflow server -----------------------------------------------------------
-        check = lab.lan_run([str(VENV / "bin" / "python"), "-c", MLFLOW_CHECK, tracking, EXPERIMENT],
-                            timeout=120, env={"PATH": "/usr/bin:/bin", "HOME": str(lab.launcher_home)})
-        assert check.returncode == 0, check.stderr[-4000:]
-        [run] = json.loads(check.stdout)["runs"]
-        assert run["id"] == m.group(1) and run["status"] == "FINISHED"
-        assert run["steps"] == {k: list(range(1, ROUNDS + 1)) for k in ("test_acc_mean", "test_loss_mean")}
-        assert run["artifact_uri"].startswith("mlflow-artifacts:"), run["artifact_uri"]
-        assert "placement.json" in run["artifacts"], run["artifacts"]
+        # --- the run on the head's MLflow server (its REST API, as the UI reads it) ------------------------
+        run_id = m.group(1)
+        experiment = launcher.get(f"{tracking}/api/2.0/mlflow/experiments/get-by-name?experiment_name={EXPERIMENT}")
+        assert experiment, f"no experiment {EXPERIMENT!r} on the head's MLflow server"
+        runs = launcher.get(f"{tracking}/api/2.0/mlflow/runs/search",
+                            data={"experiment_ids": [experiment["experiment"]["experiment_id"]]})
+        [run] = runs["runs"]
+        assert run["info"]["run_id"] == run_id and run["info"]["status"] == "FINISHED", run["info"]
+        for key in ("test_acc_mean", "test_loss_mean"):
+            history = launcher.get(f"{tracking}/api/2.0/mlflow/metrics/get-history?run_id={run_id}&metric_key={key}")
+            assert sorted(h["step"] for h in history["metrics"]) == list(range(1, ROUNDS + 1)), (key, history)
+        assert run["info"]["artifact_uri"].startswith("mlflow-artifacts:"), run["info"]["artifact_uri"]
+        listed = launcher.get(f"{tracking}/api/2.0/mlflow/artifacts/list?run_id={run_id}")
+        assert "placement.json" in {f["path"] for f in listed.get("files", [])}, listed
+        placement = json.loads(launcher.get(f"{tracking}/get-artifact?path=placement.json&run_uuid={run_id}",
+                                            raw=True) or "null")
+        marks["mlflow read"] = time.monotonic() - t0
+        # The artifacts are on the head's disk, none in a worker's home or temp dir (the jobs' working dirs).
         on_disk = list((head.home / "mlflow" / "artifacts").rglob("placement.json"))
-        assert len(on_disk) == 1 and run["id"] in str(on_disk[0]), on_disk
+        assert len(on_disk) == 1 and run_id in str(on_disk[0]), on_disk
         for w in (worker1, worker2):
-            assert not list(w.home.rglob("mlruns")) and not list(w.home.rglob("mlflow.db")), w.name
-        placement = run["placement"]["placement"] if isinstance(run["placement"], dict) else run["placement"]
-        assert sorted(c for a in placement for c in a["clients"]) == list(range(CLIENTS))
-        ips = {n["node_id"]: ip for ip, n in by_ip.items()}
-        actor_ips = {ips.get(a["node_id"]) for a in placement}
-        assert actor_ips == {worker1.ip, worker2.ip}, f"client actors not on both workers: {placement}"
+            stray = [p for d in (w.home, w.tmp) for name in ("mlruns", "mlflow.db") for p in d.rglob(name)]
+            assert not stray, f"MLflow files on {w.name}: {stray}"
+        # The client actors ran on both workers, every client in one of them.
+        placement = placement["placement"] if isinstance(placement, dict) else placement
+        assert sorted(c for a in placement for c in a["clients"]) == list(range(CLIENTS)), placement
+        ip_of = {n["node_id"]: ip for ip, n in by_ip.items()}
+        assert {ip_of.get(a["node_id"]) for a in placement} == {worker1.ip, worker2.ip}, \
+            f"client actors not on both workers: {placement}"
     finally:
         # --- ray down (also after a failure: the cluster goes down the way a user takes it down) -------------
         down = launcher.run("ray", "down", "-y", config, timeout=120)
         marks["ray down"] = time.monotonic() - t0
         launcher.stop()
-    print("seconds since start: " + ", ".join(f"{k} {v:.0f}" for k, v in marks.items()))
     assert down.returncode == 0, f"`ray down` failed:\n{_tail(down.stdout + down.stderr)}"
     deadline = time.monotonic() + 30
     while True:
@@ -248,4 +249,6 @@ def test_ray_up_job_submit_ray_down_on_emulated_machines(machines):
         if not any(left.values()) or time.monotonic() > deadline:
             break
         time.sleep(1)
+    marks["no Ray process left"] = time.monotonic() - t0
+    print("seconds since the machines started: " + ", ".join(f"{k} {v:.0f}" for k, v in marks.items()))
     assert not any(left.values()), f"Ray processes left after `ray down`: {left}\n{_tail(down.stdout)}"
