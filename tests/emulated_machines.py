@@ -7,6 +7,8 @@ Each machine is a set of Linux namespaces of its own, started with ``unshare`` (
   NFS export would be), and copies of /etc/passwd, /etc/hosts and /etc/resolv.conf (the user ``ubuntu``; the
   machines' names; no name server, so a lookup fails at once instead of timing out);
 - UTS: its own hostname.
+A machine's home starts empty, as a fresh account's can be (no ~/.profile): what the cluster config writes there
+is all there is, so a command that relies on a login shell reading ~/.bashrc fails here as it would there.
 The rest of the file system (/usr, the Python and the venv that run the tests) is the host's, read as it is.
 
 The machine's first process is its sshd (PID 1 of its namespace), listening on the machine's address only, with a
@@ -93,9 +95,14 @@ Subsystem sftp internal-sftp
 def missing_tools() -> list[str]:
     """What the emulation needs and this machine lacks (root, the programs)."""
     missing = [] if os.geteuid() == 0 else ["root (namespaces, mounts, a bridge)"]
-    for tool in ("unshare", "nsenter", "ip", "ssh", "ssh-keygen", "rsync", "/usr/sbin/sshd"):
+    for tool in ("unshare", "nsenter", "ip", "ss", "ssh", "ssh-keygen", "rsync", "/usr/sbin/sshd"):
         if shutil.which(tool) is None:
             missing.append(tool)
+    if not missing:  # root in a container may still be refused new namespaces
+        probe = subprocess.run(["unshare", "--net", "--pid", "--mount", "--uts", "--fork", "--mount-proc", "true"],
+                               capture_output=True, text=True, timeout=20)
+        if probe.returncode != 0:
+            missing.append(f"permission to make namespaces ({probe.stderr.strip()[:200]})")
     return missing
 
 
@@ -215,7 +222,7 @@ class Machines:
         self._ip_lan("addr", "add", f"{self.launcher_ip}/24", "dev", "rflbr0")
         self._ip_lan("link", "set", "rflbr0", "up")
         env = {**os.environ, "RFL_ROOT": str(self.root)}
-        for i, m in enumerate(self.machines.values()):
+        for m in self.machines.values():
             m.log = open(m.dir / "sshd.log", "w")
             m.unshare = subprocess.Popen(
                 ["unshare", "--net", "--pid", "--mount", "--uts", "--fork", "--mount-proc",
@@ -225,7 +232,7 @@ class Machines:
             self.started.append(m.unshare)
         deadline = time.monotonic() + timeout
         for i, m in enumerate(self.machines.values()):
-            while not (kids := _children(m.unshare.pid)) or _ns(m.unshare.pid, "net") == _ns(self.lan.pid, "net"):
+            while not (kids := _children(m.unshare.pid)) or _ns(m.unshare.pid, "net") == _ns(os.getpid(), "net"):
                 if time.monotonic() > deadline or m.unshare.poll() is not None:
                     raise RuntimeError(f"emulated machine {m.name} did not start:\n{self.log_of(m)}")
                 time.sleep(0.02)
@@ -260,6 +267,11 @@ class Machines:
         return subprocess.run(["nsenter", f"--net=/proc/{self.lan.pid}/ns/net", "--", *cmd], capture_output=True,
                               text=True, timeout=timeout, **kw)
 
+    def machine_run(self, m: Machine, cmd: list[str], timeout: float = 20) -> subprocess.CompletedProcess:
+        """``cmd`` in machine ``m``'s network namespace (to see what listens there)."""
+        return subprocess.run(["nsenter", f"--net=/proc/{m.unshare.pid}/ns/net", "--", *cmd], capture_output=True,
+                              text=True, timeout=timeout)
+
     def launcher_command(self, cmd: list[str]) -> list[str]:
         """``cmd`` as run on the launcher: the bridge's network, a private /tmp and home, a PID namespace of its
         own (what it leaves running ends with it)."""
@@ -291,8 +303,9 @@ class Machines:
     def _ours(self) -> list[int]:
         """Processes in a namespace this object made (machines' PID and network namespaces, the bridge's)."""
         namespaces = {ns for m in self.machines.values() for ns in (m.pid_ns, m.net_ns) if ns}
-        if self.lan is not None and (lan := _ns(self.lan.pid, "net")) and lan != _ns(os.getpid(), "net"):
+        if self.lan is not None and (lan := _ns(self.lan.pid, "net")):
             namespaces.add(lan)
+        namespaces -= {_ns(os.getpid(), "net"), _ns(os.getpid(), "pid"), None}  # never the host's own
         me, found = os.getpid(), []
         for entry in Path("/proc").iterdir():
             if entry.name.isdigit() and int(entry.name) != me:

@@ -139,7 +139,8 @@ class Launcher:
     def head_logs(self) -> str:
         """The ends of the head's autoscaler and MLflow server logs, for a failure's message."""
         head = self.lab.machines["head"]
-        logs = head.tmp / "ray" / "session_latest" / "logs"
+        sessions = sorted((head.tmp / "ray").glob("session_2*"))  # session_latest links to the head's own /tmp
+        logs = sessions[-1] / "logs" if sessions else head.tmp
         out = []
         for f in (logs / "monitor.out", logs / "monitor.log", head.home / "mlflow" / "server.log"):
             if f.exists():
@@ -194,6 +195,18 @@ def test_ray_up_job_submit_ray_down_on_emulated_machines(machines):
         for w in (worker1, worker2):
             assert by_ip[w.ip]["resources_total"].get("GPU") == 2, by_ip[w.ip]["resources_total"]
             assert by_ip[w.ip]["resources_total"].get("CPU", 0) >= 1
+
+        # The token reached every machine, readable by its owner only; on the head, MLflow listens on the head's
+        # address only and the dashboard on 127.0.0.1 only.
+        for m in (head, worker1, worker2):
+            f = m.home / ".ray" / "auth_token"
+            assert f.read_text() == token and f.stat().st_mode & 0o777 == 0o600, (m.name, oct(f.stat().st_mode))
+            assert f.parent.stat().st_mode & 0o777 == 0o700, m.name
+        listening = {}
+        for line in lab.machine_run(head, ["ss", "-ltnH"]).stdout.splitlines():
+            address, _, port = line.split()[3].rpartition(":")
+            listening.setdefault(int(port), set()).add(address)
+        assert listening.get(5000) == {head.ip} and listening.get(8265) == {"127.0.0.1"}, listening
 
         # --- ray job submit ------------------------------------------------------------------------------
         job = launcher.run("ray", "job", "submit", "--address", "http://127.0.0.1:8265", "--working-dir", ".",
