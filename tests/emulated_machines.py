@@ -36,6 +36,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from multinode_cluster import alive, end_processes
+
 NODE_INIT = r"""
 set -euo pipefail
 n=$RFL_NODE_DIR r=$RFL_ROOT
@@ -125,13 +127,6 @@ def _cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
     except OSError:
         return ""
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][0] not in "ZX"
-    except OSError:
-        return False
 
 
 @dataclass
@@ -294,7 +289,7 @@ class Machines:
         """(host pid, command line) of every live process on machine ``m``."""
         found = []
         for entry in Path("/proc").iterdir():
-            if entry.name.isdigit() and _ns(int(entry.name), "pid") == m.pid_ns and _alive(int(entry.name)):
+            if entry.name.isdigit() and _ns(int(entry.name), "pid") == m.pid_ns and alive(int(entry.name)):
                 found.append((int(entry.name), _cmdline(int(entry.name))))
         return found
 
@@ -318,22 +313,12 @@ class Machines:
         """Stop every machine (its sshd by pid, which ends its PID namespace), the bridge, and anything left in
         their namespaces; returns the pids that survived (none, unless the kernel refused)."""
         for m in self.machines.values():
-            if m.init_pid is not None and _alive(m.init_pid):
+            if m.init_pid is not None and alive(m.init_pid):
                 try:
                     os.kill(m.init_pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-        survivors = self._ours()
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            for pid in survivors:
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
-            deadline = time.monotonic() + 5
-            while time.monotonic() < deadline and any(_alive(p) for p in survivors):
-                time.sleep(0.1)
-            survivors = [p for p in survivors if _alive(p)]
+        survivors = end_processes(self._ours())
         for proc in self.started:
             if proc.poll() is None:
                 proc.kill()

@@ -13,11 +13,14 @@ The config is the project's own, changed where this machine differs from the use
 Then, as cluster/README.md tells a user: `ray up -y`, `ray dashboard` (the SSH forward), `ray job submit
 --working-dir .` of a small `rayfl run` with default sizing, MLflow read through the head's server, `ray down -y`.
 Checked: both workers join (autoscaler v1 from the config), each node under its own address, the head with no
-CPU; the run finishes and its metrics and artifacts are on the head's MLflow server (the artifacts on the head's
-disk); the client actors ran on both workers; `ray down` leaves no Ray process on any machine.
+CPU; the token on every machine, mode 600; MLflow listening on the head's address only and the dashboard on
+127.0.0.1 only; the run finishes, and its metrics and artifacts are on the head's MLflow server (the artifacts on
+the head's disk, none on a worker); the client actors ran on both workers; `ray down` leaves no Ray process on
+any machine.
 
-Not covered here (no internet on the emulated network): the download of uv and the installs from PyPI; the
-nodes' user is uid 0 (named ubuntu); one sshd host key for all three machines.
+Not covered here: the download of uv and the installs from PyPI (no internet on the emulated network); a non-root
+SSH user (the machines' ``ubuntu`` is uid 0); `rayfl tune` and `rayfl compare` on the cluster, and a second
+`ray up` (`--restart-only`), left out to keep the test within minutes; one sshd host key for all three machines.
 """
 
 from __future__ import annotations
@@ -25,8 +28,10 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -77,8 +82,6 @@ def machines():
                     f"openssh-server and rsync)")
     for tool in ("ray", "mlflow", "rayfl"):
         assert (VENV / "bin" / tool).exists(), f"{VENV}/bin/{tool} missing: the nodes run it from this venv"
-    import tempfile
-
     root = tempfile.mkdtemp(prefix="rfl-up-", dir="/tmp")
     lab = None
     try:
@@ -88,7 +91,7 @@ def machines():
         t = time.monotonic()
         left = lab.close() if lab is not None else []
         print(f"machines stopped in {time.monotonic() - t:.1f}s")
-        subprocess.run(["rm", "-rf", root], check=False)
+        shutil.rmtree(root, ignore_errors=True)
         assert not left, f"processes survived the teardown: {left}"
 
 
