@@ -153,14 +153,12 @@ class Launcher:
         return "\n".join(out)
 
     def stop(self) -> None:
+        """End the background commands: SIGKILL to each unshare, whose --kill-child ends its command and so its
+        PID namespace (unshare does not end on SIGTERM while it waits for its child)."""
         for proc in self.background:
             if proc.poll() is None:
-                proc.terminate()  # unshare --kill-child: its command (and that PID namespace) ends with it
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.wait(timeout=10)
+            proc.wait(timeout=10)
 
 
 def test_ray_up_job_submit_ray_down_on_emulated_machines(machines):
@@ -261,12 +259,16 @@ def test_ray_up_job_submit_ray_down_on_emulated_machines(machines):
         marks["ray down"] = time.monotonic() - t0
         launcher.stop()
     assert down.returncode == 0, f"`ray down` failed:\n{_tail(down.stdout + down.stderr)}"
-    deadline = time.monotonic() + 30
+    deadline, at_first = time.monotonic() + 30, None
     while True:
         left = {m.name: [c for _, c in lab.processes(m) if RAY_PROCESS.search(c)] for m in lab.machines.values()}
+        at_first = left if at_first is None else at_first
         if not any(left.values()) or time.monotonic() > deadline:
             break
         time.sleep(1)
     marks["no Ray process left"] = time.monotonic() - t0
     print("seconds since the machines started: " + ", ".join(f"{k} {v:.0f}" for k, v in marks.items()))
+    if any(at_first.values()):
+        print("still ending when `ray down` returned: " + "; ".join(
+            f"{name}: {', '.join(c.split()[0].rsplit('/', 1)[-1] for c in cmds)}" for name, cmds in at_first.items()))
     assert not any(left.values()), f"Ray processes left after `ray down`: {left}\n{_tail(down.stdout)}"
