@@ -113,9 +113,16 @@ def pids_naming(marker: str) -> list[int]:
     return found
 
 
-def kill_leftovers(marker: str) -> tuple[list[int], list[int]]:
-    """Kill what is left of ours; returns (found, survived)."""
-    found = pids = pids_naming(marker)
+def alive(pid: int) -> bool:
+    """The process exists and has not ended (a zombie waiting for its parent has)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[-1][:1] not in "ZX"
+    except OSError:
+        return False
+
+
+def end_processes(pids: list[int]) -> list[int]:
+    """SIGTERM to each pid, SIGKILL to what is left 5 s later; returns the pids that outlived both."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in pids:
             try:
@@ -123,10 +130,16 @@ def kill_leftovers(marker: str) -> tuple[list[int], list[int]]:
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in pids):
+        while time.monotonic() < deadline and any(alive(p) for p in pids):
             time.sleep(0.2)
-        pids = [p for p in pids if Path(f"/proc/{p}").exists()]
-    return found, pids
+        pids = [p for p in pids if alive(p)]
+    return pids
+
+
+def kill_leftovers(marker: str) -> tuple[list[int], list[int]]:
+    """Kill what is left of ours; returns (found, survived)."""
+    found = pids_naming(marker)
+    return found, end_processes(found)
 
 
 def readline(proc: subprocess.Popen, timeout: float) -> str:

@@ -405,7 +405,7 @@ def test_ray_down_stops_ray_on_every_worker(tmp_path):
     user = cfg["auth"]["ssh_user"]
     for ip in cfg["provider"]["worker_ips"]:
         [call] = [c for c in calls if f"{user}@{ip} " in c]
-        assert f"-i {home}/ray_bootstrap_key.pem" in call and call.endswith('ray stop"'), call
+        assert f"-i {home}/ray_bootstrap_key.pem" in call and call.endswith('"source ~/.bashrc; ray stop"'), call
     assert calls[-1] == "ray stop" and len(calls) == len(cfg["provider"]["worker_ips"]) + 1
     [restart] = [c for c in cfg["head_start_ray_commands"] if "ray stop" in c]
     assert restart == "command ray stop"  # `ray up` restarts the head alone
