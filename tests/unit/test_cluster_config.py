@@ -52,7 +52,7 @@ def segments(command: str, program: str) -> list[list[str]]:
     """The argument lists of every invocation of ``program`` ("ray start", "mlflow server") in a line."""
     out = []
     for part in re.split(r";|&&|\|\||\bthen\b|\belse\b", command):
-        part = part.strip()
+        part = re.sub(r"^(\w+=\S*\s+)+", "", part.strip())  # the environment given to this command alone
         if part.startswith("nohup "):
             part = part[len("nohup "):]
         if part.startswith(program + " "):
