@@ -139,7 +139,7 @@ class Config:
         _one_of("optimizer", self.optimizer, OPTIMIZERS)
         check_model_name(self.model)
         _one_of("buffers", self.buffers, BUFFERS)
-        if self.buffers == "local" and not vars(get_algorithm(self.algo).ClientLogic).get("local_buffers"):
+        if self.buffers == "local" and not get_algorithm(self.algo).capability("local_buffers"):
             raise UserError(f"buffers='local': algo={self.algo!r} does not declare that its clients keep their own "
                             f"buffers (ClientLogic.local_buffers); allowed: global")
         if self.clients_per_actor != "auto" and not (isinstance(self.clients_per_actor, int)

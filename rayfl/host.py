@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from rayfl import privacy, training
-from rayfl.algorithms.base import ClientLogic
+from rayfl.algorithms.base import ClientLogic, capability
 from rayfl.batch import pack
 from rayfl.client import Bench, Client, TrainSettings, eval_pass, evaluate_together
 from rayfl.data import ClientData, materialize
@@ -52,7 +52,7 @@ class ClientHost:
             torch.manual_seed(cfg.seed)  # initial weights come from `initial`; this seeds anything else
             client = Client(cid, materialize(x, y, cd, device), None, None, settings, cfg.seed, device, share,
                             cd.group, bench=self.bench)
-            if holdout is not None and len(holdout) and getattr(self.logic, "uses_holdout", False):
+            if holdout is not None and len(holdout) and capability(self.logic, "uses_holdout"):
                 client.splits["global"] = self._holdout(x, y, holdout, cd, device)
             self.logic.init_client(client)
             self.clients[cid] = client

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from rayfl import privacy, snapshot
+from rayfl.algorithms.base import capability
 from rayfl.config import NOT_RESULTS, UserError
 from rayfl.divergence import Diverged, model_has_nan, round_problem, step_size_hint
 from rayfl.metrics import round_summary
@@ -106,7 +107,7 @@ class Loop:
             raise ValueError(f"{type(self.server).__name__}: dp_level=user clips and noises one average a call; "
                              f"a grouped WeightedMean (group={reduce.group!r}) makes one per group")
         if private:  # user-level DP: each host sums its clients' clipped updates instead
-            start = getattr(self.server, privacy.declared(type(self.server), "averages"))
+            start = getattr(self.server, capability(self.server, "averages"))
             reduce = ClippedSum(reduce.key, start, self.user_dp.clip)
         pending = self.runtime.submit(step, messages, reduce)
         t1 = time.perf_counter()

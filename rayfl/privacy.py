@@ -32,7 +32,7 @@ run-level accountant counts (z, q) once per averaging round; the guarantee is ev
 
 An algorithm declares on its own class (a subclass does not inherit the promise, so one that trains or averages
 differently must make its own): ``ClientLogic.private_training`` (True, or a string saying why not) and
-``Server.averages``.
+``Server.averages`` (both declared in :mod:`rayfl.algorithms.base`).
 """
 
 from __future__ import annotations
@@ -69,11 +69,6 @@ class DPSettings:
         return cls(cfg.dp_noise, cfg.dp_clip, cfg.dp_delta, cfg.dp_level, cfg.dp_accountant)
 
 
-def declared(cls: type, name: str) -> Any:
-    """What ``cls`` itself declares (not what it inherits): a promise about how it trains or averages."""
-    return vars(cls).get(name)
-
-
 # --------------------------------------------------------------------------------------------- checks
 
 def check_config(cfg, algo) -> None:
@@ -91,12 +86,12 @@ def check_config(cfg, algo) -> None:
     if not cfg.dp_noise > 0:
         return
     if cfg.dp_level == "user":
-        if not declared(algo.Server, "averages"):
+        if not algo.capability("averages"):
             raise ValueError(f"algo={cfg.algo!r}: dp_level=user cannot cover it: its server does not average client "
                             "updates through the reduction (Server.averages), its uploads are individual models, "
                             "so there is no sum to clip and noise")
         return
-    promise = declared(algo.ClientLogic, "private_training")
+    promise = algo.capability("private_training")
     if promise is not True:
         why = promise if isinstance(promise, str) else (
             "it does not declare that all its training goes through client.fit / training.train_epochs "

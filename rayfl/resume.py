@@ -14,6 +14,7 @@ import os
 
 import numpy as np
 
+from rayfl.algorithms.base import capability
 from rayfl.config import UserError, shown
 from rayfl.user_input import MAX_MAGNITUDE
 
@@ -92,10 +93,10 @@ def check_checkpoint(run_dir: str, prepared) -> None:
                                          for h in state["dp_history"]):
         raise refuse("dp_history: every entry must be a list of numbers")
     template = server.state_dict()
-    for name in getattr(server, "growing_state", ()):  # arrays a Server declares to change shape over a run
+    for name in capability(server, "growing_state"):  # arrays a Server declares to change shape over a run
         if isinstance(template.get(name), np.ndarray):
             template[name] = np.empty((0,) * template[name].ndim, template[name].dtype)
-    for name in getattr(server, "client_ids", ()):  # the ids a Server keeps must be clients of this run
+    for name in capability(server, "client_ids"):  # the ids a Server keeps must be clients of this run
         ids = state["server"].get(name) if isinstance(state["server"], dict) else None
         if ids is not None and not (isinstance(ids, (list, tuple)) and all(
                 type(c) is int and 0 <= c < cfg.clients for c in ids)):

@@ -1,0 +1,115 @@
+"""The algorithm contract is written in one place: every capability the platform reads is declared, with a
+docstring, in rayfl/algorithms/base.py, and read only through its reader there."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+
+import pytest
+
+from rayfl.algorithms import base
+from rayfl.algorithms.base import CAPABILITIES, PROMISES, ClientLogic, Server, capability, declared
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _sources():
+    for folder in ("rayfl", "actors"):
+        for here, _, names in os.walk(os.path.join(ROOT, folder)):
+            for name in names:
+                if name.endswith(".py"):
+                    path = os.path.join(here, name)
+                    with open(path, encoding="utf-8") as f:
+                        yield os.path.relpath(path, ROOT), f.read()
+
+
+def _documented_attributes(cls_name: str) -> dict[str, str]:
+    """Class attribute -> the string literal right after it, in base.py's class ``cls_name``."""
+    with open(base.__file__, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls_name)
+    out = {}
+    for first, second in zip(cls.body, cls.body[1:]):
+        target = first.target if isinstance(first, ast.AnnAssign) else (
+            first.targets[0] if isinstance(first, ast.Assign) else None)
+        if isinstance(target, ast.Name) and isinstance(second, ast.Expr) and isinstance(second.value, ast.Constant) \
+                and isinstance(second.value.value, str):
+            out[target.id] = second.value.value
+    return out
+
+
+def test_every_capability_is_declared_with_a_docstring_on_its_base_class():
+    for name, owner in CAPABILITIES.items():
+        docs = _documented_attributes(owner.__name__)
+        assert name in vars(owner), name
+        assert docs.get(name, "").strip(), f"{owner.__name__}.{name} has no docstring"
+    assert PROMISES <= set(CAPABILITIES)
+
+
+def _direct_reads(text: str) -> list[int]:
+    """Lines of ``text`` that read a capability other than through ``capability``: ``x.NAME``,
+    ``getattr(x, "NAME")``, ``hasattr(x, "NAME")``, ``vars(x).get("NAME")``."""
+    lines = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Attribute) and node.attr in CAPABILITIES and isinstance(node.ctx, ast.Load):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Call) and any(isinstance(a, ast.Constant) and a.value in CAPABILITIES
+                                                for a in node.args):
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+            if name != "capability":
+                lines.append(node.lineno)
+    return lines
+
+
+def test_the_platform_reads_capabilities_only_through_the_reader():
+    found = [f"{path}:{no}" for path, text in _sources()
+             if not path.startswith(os.path.join("rayfl", "algorithms"))  # they declare them; base.py reads them
+             for no in _direct_reads(text)]
+    assert not found, found
+
+
+def test_the_direct_read_finder_finds_each_form():
+    text = ("a = getattr(s, 'uses_holdout', False)\nb = s.growing_state\nc = vars(k).get('averages')\n"
+            "d = capability(s, 'averages')\ne = 'ClientLogic.private_training'\n")
+    assert sorted(_direct_reads(text)) == [1, 2, 3]
+
+
+def test_capabilities_that_steer_the_platform_are_read_through_capability():
+    used = set()
+    for path, text in _sources():
+        used |= set(re.findall(r"""capability\([^)]*["'](\w+)["']\)""", text))
+    assert used <= set(CAPABILITIES), used - set(CAPABILITIES)
+    assert {"averages", "growing_state", "client_ids", "private_training", "local_buffers", "uses_holdout"} <= used
+
+
+def test_a_promise_is_not_inherited_and_a_plain_capability_is():
+    class Child(ClientLogic):
+        uses_holdout = True
+        private_training = True
+        local_buffers = True
+
+    class GrandChild(Child):
+        pass
+
+    assert capability(GrandChild, "uses_holdout") is True  # inherited
+    assert capability(GrandChild, "private_training") is None  # a promise: its own word only
+    assert capability(GrandChild(None), "local_buffers") is False
+    assert capability(Child(None), "private_training") is True
+    assert declared(GrandChild, "uses_holdout") is None
+
+    class Grows(Server):
+        growing_state = ("tree",)
+
+    class Sub(Grows):
+        pass
+
+    assert capability(Sub, "growing_state") == ("tree",)
+    assert capability(Sub, "client_ids") == ()
+
+
+def test_an_unknown_capability_is_an_error_not_a_no():
+    with pytest.raises(KeyError):
+        capability(ClientLogic, "uses_holdouts")
