@@ -113,3 +113,62 @@ def test_a_promise_is_not_inherited_and_a_plain_capability_is():
 def test_an_unknown_capability_is_an_error_not_a_no():
     with pytest.raises(KeyError):
         capability(ClientLogic, "uses_holdouts")
+
+
+def _imports(path: str, top_level_only: bool) -> set[str]:
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    out = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+    return out
+
+
+def test_algorithms_share_helpers_through_common_not_through_each_other():
+    """An algorithm module imports another only to extend that algorithm (FedAvg's server and client);
+    helpers two algorithms share come from rayfl.algorithms.common."""
+    folder = os.path.dirname(base.__file__)
+    from rayfl.algorithms import MODULES
+
+    for module in MODULES:
+        path = os.path.join(folder, f"{module}.py")
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("rayfl.algorithms."):
+                other = node.module.rsplit(".", 1)[1]
+                if other in ("base", "common", "layers"):
+                    continue
+                names = {a.name for a in node.names}
+                assert other == "baselines" and names <= {"FedAvgClient", "FedAvgServer"}, (module, other, names)
+
+
+def test_common_imports_no_torch_when_imported():
+    """A driver running FedAvg imports baselines and so common: torch only inside the helpers that train."""
+    path = os.path.join(os.path.dirname(base.__file__), "common.py")
+    top = _imports(path, top_level_only=True)
+    assert not {m for m in top if m.split(".")[0] == "torch" or m == "rayfl.training"}, top
+    assert "torch" in _imports(path, top_level_only=False)
+
+
+def test_algorithms_reach_privacy_through_its_public_api_only():
+    from rayfl import privacy
+
+    folder = os.path.dirname(base.__file__)
+    used = {}
+    for name in sorted(os.listdir(folder)):
+        if not name.endswith(".py"):
+            continue
+        with open(os.path.join(folder, name), encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "privacy":
+                used.setdefault(node.attr, set()).add(name)
+            if isinstance(node, ast.ImportFrom) and node.module == "rayfl.privacy":
+                used.update({a.name: {name} for a in node.names})
+    assert set(used) <= set(privacy.FOR_ALGORITHMS), {k: v for k, v in used.items() if k not in privacy.FOR_ALGORITHMS}
+    assert "private_gradients" in used and all(callable(getattr(privacy, n)) for n in privacy.FOR_ALGORITHMS)
