@@ -43,10 +43,10 @@ def start_client_actors(prepared, x_ref, y_ref, resources: ActorResources, n_act
     cfg, fed = prepared.cfg, prepared.federation
     initial_ref = ray.put(prepared.initial)
     blocks = [{c: fed.clients[c] for c in block} for block in assign_hosts(cfg.clients, n_actors)]
+    spec = prepared.host_spec().without_arrays()
     actors = [ClientActor.options(**resources.options(), max_restarts=cfg.max_restarts,
                                   **(actor_options[h] if actor_options else {})).remote(
-                  Sealed((cfg, prepared.model_spec, prepared.info.task, block, fed.holdout, prepared.plugins)),
-                  x_ref, y_ref, initial_ref)
+                  Sealed((spec, block, prepared.plugins)), x_ref, y_ref, initial_ref)
               for h, block in enumerate(blocks)]
     return actors, [x_ref, y_ref, initial_ref]
 

@@ -22,15 +22,17 @@ from rayfl.algorithms.base import ClientLogic, capability
 from rayfl.batch import pack
 from rayfl.client import Bench, Client, TrainSettings, eval_pass, evaluate_together
 from rayfl.data import ClientData, materialize
-from rayfl.experiment import ModelSpec
+from rayfl.experiment import HostSpec
 from rayfl.reduce import ClippedSum, Partial, accumulate
 from rayfl.snapshot import dumps, loads
 
 
 class ClientHost:
-    def __init__(self, cfg, algorithm, model_spec: ModelSpec, task: str, x, y, client_data: dict,
-                 initial: np.ndarray, device: str = "cpu", share: Callable = lambda v: v,
-                 resolve: Callable[[list], list] = lambda hs: list(hs), holdout: np.ndarray | None = None):
+    def __init__(self, spec: HostSpec, client_data: dict, device: str = "cpu", share: Callable = lambda v: v,
+                 resolve: Callable[[list], list] = lambda hs: list(hs)):
+        """The clients ``client_data`` names (client id -> its splits of ``spec.x``/``spec.y``), built on
+        ``device``; ``share`` makes an object-store handle of a vector, ``resolve`` reads handles."""
+        cfg, x, y, holdout = spec.cfg, spec.x, spec.y, spec.holdout
         torch.set_num_threads(cfg.torch_threads)
         # numpy's BLAS too (FedFomo's distances, reductions): its default, one thread per core, spins against
         # the other actors' threads (a 159k-element dot took 23 ms instead of 0.9 ms on the 2-core box)
@@ -41,9 +43,9 @@ class ClientHost:
         self.resolve = resolve
         self._holdout_cache: dict = {}  # transform -> the "global" split, shared by this host's clients
         self._layouts: dict = {}  # the inputs of the last group evaluated together (evaluate_together)
-        self.logic = algorithm.ClientLogic(algorithm.make_params(cfg.params))
-        settings = TrainSettings.from_config(cfg, task)
-        self.bench = Bench(model_spec.build, initial, device)
+        self.logic = spec.algorithm.ClientLogic(spec.params)
+        settings = TrainSettings.from_config(cfg, spec.task)
+        self.bench = Bench(spec.model_spec.build, spec.initial, device)
         self.clients: dict[int, Client] = {}
         self._encoded: dict[int, bytes] = {}  # each client's last state() blob
         self._changed: set[int] = set()  # clients that ran a non-evaluation step since it was made

@@ -78,7 +78,7 @@ class Loop:
         self.checkpoint_dir = checkpoint_dir
         self.rng = np.random.default_rng([self.cfg.seed, 1])  # participant sampling
         algo = prepared.algorithm
-        self.server = algo.Server(algo.make_params(self.cfg.params), prepared.info, runtime.put, runtime.get,
+        self.server = algo.Server(prepared.params, prepared.info, runtime.put, runtime.get,
                                   np.random.default_rng([self.cfg.seed, 2]), prepared.initial)
         self.history: list[dict] = []
         self.last_eval: dict[int, dict] = {}
@@ -277,8 +277,7 @@ class Loop:
                 problem += "; its global model has NaN or inf weights"
         except Exception:  # noqa: BLE001 - the divergence is the error to report
             pass
-        algo = self.prepared.algorithm
-        raise Diverged(step + 1, self.cfg.algo, problem, step_size_hint(self.cfg, algo.make_params(self.cfg.params)))
+        raise Diverged(step + 1, self.cfg.algo, problem, step_size_hint(self.cfg, self.prepared.params))
 
     def global_model_nan(self) -> bool:
         """Whether the server's global model (its final_model, where it has one) holds a NaN or an infinity."""

@@ -198,7 +198,7 @@ def _check_weights(tree, initial: np.ndarray, where: str) -> None:
 def _fresh_server(prepared):
     """The algorithm's Server as a new run of this config starts it, in this process (handles are values)."""
     algo = prepared.algorithm
-    return algo.Server(algo.make_params(prepared.cfg.params), prepared.info, lambda v: v, lambda hs: list(hs),
+    return algo.Server(prepared.params, prepared.info, lambda v: v, lambda hs: list(hs),
                        np.random.default_rng(prepared.cfg.seed), prepared.initial)
 
 
@@ -211,9 +211,7 @@ def _fresh_host(prepared):
 
     threads = torch.get_num_threads()
     fed = prepared.federation
-    host = ClientHost(prepared.cfg, prepared.algorithm, prepared.model_spec, prepared.info.task, prepared.dataset.x,
-                      prepared.dataset.y, {c: fed.clients[c] for c in range(prepared.cfg.clients)},
-                      prepared.initial, holdout=fed.holdout)
+    host = ClientHost(prepared.host_spec(), {c: fed.clients[c] for c in range(prepared.cfg.clients)})
 
     def restore() -> None:
         host._blas_limit.restore_original_limits()

@@ -172,3 +172,39 @@ def test_algorithms_reach_privacy_through_its_public_api_only():
                 used.update({a.name: {name} for a in node.names})
     assert set(used) <= set(privacy.FOR_ALGORITHMS), {k: v for k, v in used.items() if k not in privacy.FOR_ALGORITHMS}
     assert "private_gradients" in used and all(callable(getattr(privacy, n)) for n in privacy.FOR_ALGORITHMS)
+
+
+def test_params_are_parsed_once_and_carried_to_the_server_and_every_host(monkeypatch):
+    from conftest import tiny
+    from rayfl.algorithms.base import Algorithm
+    from rayfl.experiment import prepare
+    from rayfl.loop import Loop
+    from rayfl.runtime import LocalRuntime
+
+    cfg = tiny(algo="fedprox", rounds=1, params={"mu": "0.25"})
+    parsed = []
+    make = Algorithm.make_params
+    monkeypatch.setattr(Algorithm, "make_params", lambda self, values=None: parsed.append(values) or make(self, values))
+    p = prepare(cfg)
+    runtime = LocalRuntime(p, n_hosts=2)
+    loop = Loop(p, runtime).run()
+    assert len(parsed) == 1  # by cfg.check(), inside prepare
+    assert p.params.mu == 0.25 and type(p.params).__name__ == "FedProxParams"
+    assert loop.server.params is p.params
+    assert all(host.logic.params is p.params for host in runtime.hosts) and len(runtime.hosts) == 2
+
+
+def test_a_host_spec_carries_what_a_host_builds_from():
+    from conftest import tiny
+    from rayfl.experiment import HostSpec, prepare
+
+    p = prepare(tiny(algo="fedavg", rounds=1))
+    spec = p.host_spec()
+    assert isinstance(spec, HostSpec)
+    assert (spec.cfg, spec.algorithm, spec.params, spec.model_spec, spec.task) == (
+        p.cfg, p.algorithm, p.params, p.model_spec, p.info.task)
+    assert spec.x is p.dataset.x and spec.y is p.dataset.y and spec.initial is p.initial
+    assert spec.holdout is p.federation.holdout
+    light = spec.without_arrays()
+    assert light.x is None and light.y is None and light.initial is None and light.holdout is spec.holdout
+    assert light.with_arrays(spec.x, spec.y, spec.initial) == spec
