@@ -14,7 +14,7 @@ clients move to the surviving actors (:meth:`RayRuntime.rehost`), each lost host
 own inside one survivor (its partial sums unchanged, so the run's results are too), restored from the snapshot
 and replayed like any other loss. With ``wait_for_room`` (an autoscaler that can add a node, or a
 ``capacity_wait`` the user set) it is waited for ``capacity_wait`` seconds, then the run ends with
-:class:`~rayfl.loop.NoCapacity`.
+:class:`~rayfl.recovery.NoCapacity`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from rayfl.actors.client import ClientActor
 from rayfl.actors.handles import resolve
 from rayfl.actors.resources import ActorResources
 from rayfl.batch import pack
-from rayfl.loop import NoCapacity
+from rayfl.recovery import NoCapacity
 from rayfl.plugins import Sealed
 from rayfl.runtime import ClientsLost, Pending, SaveChain, assign_hosts, gather, group_by_host
 

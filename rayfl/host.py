@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from rayfl import privacy, training
-from rayfl.algorithms.base import ClientLogic, capability
+from rayfl.algorithms.base import ClientLogic, Message, Upload, capability
 from rayfl.batch import pack
 from rayfl.client import Bench, Client, TrainSettings, eval_pass, evaluate_together
 from rayfl.data import ClientData, materialize
@@ -98,7 +98,7 @@ class ClientHost:
             privacy.noisy_gradient([(model, [p for p in model.parameters() if p.requires_grad],
                                      training.loss_fn_for(client.settings.task))], x[:2], y[:2], 0.0, 1.0, 1.0, None)
 
-    def run(self, step: str, items: list[tuple[int, dict]], reduce=None) -> tuple[list[dict], Partial]:
+    def run(self, step: str, items: list[tuple[int, Message]], reduce=None) -> tuple[list[Upload], Partial]:
         """Run ``step_<step>`` for each (client id, message); one batched fetch of every named model.
         Returns the uploads and this host's partial sum of the requested reduction (empty without one)."""
         method = getattr(self.logic, f"step_{step}", None)
@@ -133,7 +133,7 @@ class ClientHost:
             self.bench.end_call()
         return uploads, partial
 
-    def _evaluate_together(self, items: list[tuple[int, dict]], resolved: list[dict]) -> dict[int, dict]:
+    def _evaluate_together(self, items: list[tuple[int, Message]], resolved: list[dict]) -> dict[int, Upload]:
         """The default ``step_evaluate`` of the clients that are evaluated with the same weights
         (``ClientLogic.eval_weights``: FedAvg's global model) and have small splits, done together: item
         index -> its record, each client's ``seconds`` its share of the group's time. At 1,000 clients of a

@@ -59,13 +59,13 @@ def check_recorded_plugins(run_dir: str) -> None:
 def check_checkpoint(run_dir: str, prepared) -> None:
     """UserError ``checkpoint=PATH: FIELD: problem`` for the first part of the checkpoint in ``run_dir`` that a
     run of ``prepared`` could not go on from."""
-    from rayfl.loop import CHECKPOINT_FILE, Loop
+    from rayfl import checkpoint
     from rayfl.snapshot import SnapshotError, check_like, loads
 
-    state = Loop.read_checkpoint(run_dir, prepared.cfg)  # readable, this version's and this config's
+    state = checkpoint.read(run_dir, prepared.cfg)  # readable, this version's and this config's
     if state is None:
         return
-    path = os.path.join(run_dir, CHECKPOINT_FILE)
+    path = checkpoint.path_in(run_dir)
 
     def refuse(problem: str):
         return UserError(f"checkpoint={path}: {problem}")

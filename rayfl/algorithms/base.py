@@ -25,7 +25,7 @@ An algorithm is one module in ``rayfl/algorithms/`` that defines three things an
     Methods named ``step_<name>(client, msg, models)`` run on one :class:`~rayfl.client.Client` (its data,
     model and personal state live in the client, which lives in a long-lived actor). ``models`` is
     ``msg["models"]`` with every handle resolved to a flat float32 numpy vector (a dict name -> vector,
-    a list of vectors, or a dict key -> vector; an empty list or dict stays present, empty). A step returns a small dict, its *upload*; a vector meant
+    a list of vectors, or a dict key -> vector; an empty list or dict stays present, empty). A step returns a small dict, its *upload* (:class:`Upload`; what it is sent: :class:`Message`); a vector meant
     to stay in the object store is wrapped with ``client.share(vec)``, which the driver sees as a handle.
     ``step_evaluate`` (default: evaluate ``client.model``) reports the personalized model's metrics; a
     logic whose clients are evaluated with weights the message names (FedAvg's global model) says which in
@@ -62,14 +62,49 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, TypedDict
 
 import numpy as np
 
 from rayfl.user_input import check_count, to_kind
 
-Message = dict  # driver -> client: {"models": {...handles...}, other small values}
-Upload = dict  # client -> driver: small values, and handles made with client.share
+class Message(TypedDict, total=False):
+    """Driver -> client: what one client step is sent. The platform reads the keys declared here; beside them an
+    algorithm puts its own small plain values (numbers, strings, lists: FedeRiCo's ``K``, LG-FedAvg's
+    ``fedavg``), which only its own ClientLogic reads."""
+
+    models: dict[str, Any]
+    """Name -> a handle, a list of handles or a dict key -> handle: the host resolves every one (once for a
+    message sent to many clients) and hands the step the vectors, as its ``models`` argument."""
+
+    node: Any
+    """The group a grouped reduction sums the client's upload into (``WeightedMean(group="node")``: one FedAvg per
+    cluster), where the server asks for one."""
+
+
+class Upload(TypedDict, total=False):
+    """Client -> driver: what one client step returns, small values and handles made with ``client.share``. The
+    platform reads or writes the keys declared here; an evaluation (``step_evaluate``) returns, for each split
+    it measured, ``<split>_loss``, ``<split>_acc`` and ``n_<split>`` (:meth:`rayfl.client.Client.evaluate`),
+    which the loop summarises across clients (:func:`rayfl.metrics.round_summary`)."""
+
+    weights: Any
+    """A trained model's flat vector: the field FedAvg-like servers reduce (``WeightedMean("weights")``); the
+    reduction takes it out of the upload inside the host."""
+
+    n: int
+    """The client's training-set size: the weight of its upload in a ``WeightedMean(by="n")``."""
+
+    train_loss: float
+    """The local training loss (``client.fit``), which servers average across uploads."""
+
+    seconds: float
+    """Written by the host: how long the step took on this client."""
+
+    dp_epsilon: float
+    """Written by the host at evaluation under sample-level DP: the client's ε so far."""
+
+
 Call = Callable[..., "dict[int, Upload]"]  # call(step, messages, reduce=None)
 
 

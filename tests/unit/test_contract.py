@@ -208,3 +208,34 @@ def test_a_host_spec_carries_what_a_host_builds_from():
     light = spec.without_arrays()
     assert light.x is None and light.y is None and light.initial is None and light.holdout is spec.holdout
     assert light.with_arrays(spec.x, spec.y, spec.initial) == spec
+
+
+def _string_keys(path: str, names: set[str]) -> set[str]:
+    """Constant keys the module at ``path`` reads or writes on variables called one of ``names``
+    (``up["x"]``, ``up.setdefault("x", ...)``, ``msg.get("x")``)."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    keys = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id in names \
+                and isinstance(node.slice, ast.Constant):
+            keys.add(node.slice.value)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and isinstance(node.func.value, ast.Name) and node.func.value.id in names \
+                and node.args and isinstance(node.args[0], ast.Constant):
+            keys.add(node.args[0].value)
+    return keys
+
+
+def test_the_keys_a_host_reads_and_writes_are_declared_in_message_and_upload():
+    from rayfl.algorithms.base import Message, Upload
+
+    host = os.path.join(ROOT, "rayfl", "host.py")
+    assert _string_keys(host, {"msg"}) == {"models"} <= Message.__optional_keys__
+    written = _string_keys(host, {"up"})
+    assert written == {"seconds", "dp_epsilon"} and written <= Upload.__optional_keys__
+    for typed in (Message, Upload):
+        docs = _documented_attributes(typed.__name__)
+        assert set(docs) == set(typed.__optional_keys__) and all(d.strip() for d in docs.values())
+    assert Upload.__optional_keys__ >= {"weights", "n"}  # what FedAvg's reduction reads
+
