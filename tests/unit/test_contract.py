@@ -239,3 +239,15 @@ def test_the_keys_a_host_reads_and_writes_are_declared_in_message_and_upload():
         assert set(docs) == set(typed.__optional_keys__) and all(d.strip() for d in docs.values())
     assert Upload.__optional_keys__ >= {"weights", "n"}  # what FedAvg's reduction reads
 
+
+def test_the_architecture_page_names_files_that_exist_and_is_linked():
+    with open(os.path.join(ROOT, "docs", "architecture.md"), encoding="utf-8") as f:
+        text = f.read()
+    paths = set(re.findall(r"`((?:rayfl|actors)/[\w/.]+)`", text))
+    assert {"rayfl/loop.py", "rayfl/checkpoint.py", "rayfl/recovery.py", "rayfl/user_dp.py",
+            "rayfl/algorithms/common.py", "rayfl/reduce.py"} <= paths
+    missing = [p for p in paths if not os.path.exists(os.path.join(ROOT, p))]
+    assert not missing, missing
+    assert text.count("```text") == 1  # one picture
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        assert "docs/architecture.md" in f.read()
