@@ -1,6 +1,6 @@
-"""The loop's neighbours, each on its own: the checkpoint file (rayfl.checkpoint) and user-level DP as a wrapper of
-a server's average (rayfl.user_dp). The loop's use of them is tested through runs in test_loop.py,
-test_faults.py and test_privacy.py."""
+"""The loop's neighbours, each on its own: the checkpoint file (rayfl.checkpoint), user-level DP as a wrapper of
+a server's average (rayfl.user_dp) and recovery from a snapshot (rayfl.recovery). The loop's use of them is
+tested through runs in test_loop.py, test_pipeline.py, test_faults.py and test_privacy.py."""
 
 from __future__ import annotations
 
@@ -12,8 +12,11 @@ import pytest
 from conftest import tiny
 from rayfl import checkpoint
 from rayfl.config import UserError
+from rayfl.experiment import prepare
+from rayfl.loop import Loop
 from rayfl.privacy import DPSettings
 from rayfl.reduce import ClippedSum, WeightedMean
+from rayfl.runtime import ClientsLost, LocalRuntime
 from rayfl.user_dp import UserLevelDP
 
 
@@ -95,3 +98,32 @@ def test_a_legacy_pickle_checkpoint_is_refused_unopened(tmp_path):
     assert checkpoint.exists(str(tmp_path))
     with pytest.raises(UserError, match="a pickle checkpoint of an older rayfl, not loaded"):
         checkpoint.read(str(tmp_path), tiny())
+
+
+class FailsOnce(LocalRuntime):
+    """In-process clients whose host 0 is replaced by a fresh one after client call ``fail_at`` (counted from 1),
+    which then raises ClientsLost, as a Ray actor's restart does."""
+
+    def __init__(self, prepared, fail_at: int):
+        super().__init__(prepared)
+        self.prepared, self.fail_at, self.calls = prepared, fail_at, 0
+
+    def call(self, step, messages, reduce=None):
+        self.calls += 1
+        out = super().call(step, messages, reduce)
+        if self.calls == self.fail_at:
+            self.hosts[0] = LocalRuntime(self.prepared).hosts[0]
+            raise ClientsLost(f"host 0 lost in call {self.calls}")
+        return out
+
+
+def test_a_replay_from_a_snapshot_rounds_back_drops_the_rounds_it_replays():
+    """Snapshots after rounds 1 and 3 (snapshot_every=2). FedAvg makes two calls a round (train, evaluate):
+    call 7 is round 3's training, when rounds 0-2 are in the history; the run goes back to round 1's snapshot
+    and replays rounds 2 and 3, each in the history once."""
+    p = prepare(tiny(rounds=4, snapshot_every=2))
+    full = Loop(p, LocalRuntime(p)).run()
+    loop = Loop(p, FailsOnce(p, fail_at=7)).run()
+    assert loop.restarts == 1
+    assert [h["step"] for h in loop.history] == [0, 1, 2, 3]
+    assert [h["test_acc_mean"] for h in loop.history] == [h["test_acc_mean"] for h in full.history]
