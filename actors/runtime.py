@@ -28,8 +28,8 @@ from rayfl.actors.client import ClientActor
 from rayfl.actors.handles import resolve
 from rayfl.actors.resources import ActorResources
 from rayfl.batch import pack
-from rayfl.recovery import NoCapacity
 from rayfl.plugins import Sealed
+from rayfl.recovery import NoCapacity
 from rayfl.runtime import ClientsLost, Pending, SaveChain, assign_hosts, gather, group_by_host
 
 
