@@ -24,10 +24,11 @@ import ray
 @ray.remote
 class ClientActor:
     def __init__(self, sealed, x, y, initial):
-        # sealed (rayfl.plugins.Sealed): (cfg, model_spec, task, client_data, holdout, plugins), pickled apart so
-        # that a plugin's module this node lacks is one line from the first call, not an actor that dies while
-        # Ray reads its arguments and is restarted to die again. plugins: the run's registrations from outside
-        # the package (rayfl.plugins.Plugins), registered in this process as they are read
+        # sealed (rayfl.plugins.Sealed): (spec, client_data, plugins), pickled apart so that a plugin's module this
+        # node lacks is one line from the first call, not an actor that dies while Ray reads its arguments and is
+        # restarted to die again. spec: the run's HostSpec less its arrays, which come as x, y, initial (object-
+        # store references, resolved by Ray). plugins: the run's registrations from outside the package
+        # (rayfl.plugins.Plugins), registered in this process as they are read
         self.token = uuid.uuid4().hex
         self._args = (sealed, x, y, initial)
         self._host = None
@@ -41,24 +42,21 @@ class ClientActor:
             from rayfl.actors.handles import Batcher
 
             sealed, x, y, initial = self._args
-            cfg, model_spec, task, client_data, holdout, _plugins = sealed.open()  # UserError: a module missing
+            spec, client_data, _plugins = sealed.open()  # UserError: a module missing
             # Ray has set CUDA_VISIBLE_DEVICES to this actor's GPU(s); "cuda" is then the right one.
             self.gpu_ids = [str(g) for g in ray.get_gpu_ids()]
             self.batcher = Batcher()
             self.device = "cuda" if self.gpu_ids and torch.cuda.is_available() else "cpu"
-            self._made = (cfg, model_spec, task, x, y, initial, holdout)
+            self._spec = spec.with_arrays(x, y, initial)
             self._host = self._new_host(client_data)
             self._args = None
         return self._host if host is None else self._adopted[host]
 
     def _new_host(self, client_data: dict):
         from rayfl.actors.handles import resolve
-        from rayfl.algorithms import get_algorithm
         from rayfl.host import ClientHost
 
-        cfg, model_spec, task, x, y, initial, holdout = self._made
-        host = ClientHost(cfg, get_algorithm(cfg.algo), model_spec, task, x, y, client_data, initial,
-                          device=self.device, share=self.batcher.share, resolve=resolve, holdout=holdout)
+        host = ClientHost(self._spec, client_data, device=self.device, share=self.batcher.share, resolve=resolve)
         self.batcher.flush()
         return host
 

@@ -54,7 +54,7 @@ def wait_for_actors(actors: list, report, timeout: float, every: float = 1.0) ->
     "ready", "total"}`` as they come up (the submitter reported 0 when it asked for them). NoCapacity when they
     are not all placed within ``timeout`` seconds (capacity_wait: no room for them on the cluster, nor on a
     node an autoscaler added); an actor whose clients failed to build raises here."""
-    from rayfl.loop import NoCapacity
+    from rayfl.recovery import NoCapacity
 
     placed = [a.__ray_ready__.remote() for a in actors]  # Ray's built-in no-op method: answers once placed
     deadline = time.monotonic() + timeout
@@ -101,9 +101,11 @@ class DriverActor:
 
     def run(self, actors: list) -> dict:
         """The whole run over the client actors ``actors`` (started by the submitter right after this driver)."""
+        from rayfl import checkpoint
         from rayfl.actors.runtime import RayRuntime
         from rayfl.inprocess import execute
-        from rayfl.loop import Loop, NoCapacity
+        from rayfl.loop import Loop
+        from rayfl.recovery import NoCapacity
         from rayfl.tracking import MlflowTracker
 
         self.prepared = self.sealed.open()  # UserError: a module of a plugin missing on this node
@@ -116,9 +118,8 @@ class DriverActor:
         try:
             wait_for_actors(runtime.actors, self.queue.push, self.prepared.cfg.capacity_wait)
         except NoCapacity as e:  # e.g. a driver started again after its node was lost, with no room left
-            if self.checkpoint_dir and Loop.has_checkpoint(self.checkpoint_dir):
-                e.checkpoint = (self.checkpoint_dir,
-                                Loop.read_checkpoint(self.checkpoint_dir, self.prepared.cfg)["step"])
+            if self.checkpoint_dir and checkpoint.exists(self.checkpoint_dir):
+                e.checkpoint = (self.checkpoint_dir, checkpoint.read(self.checkpoint_dir, self.prepared.cfg)["step"])
             if tracker:
                 tracker.fail()
             raise

@@ -22,10 +22,10 @@ from rayfl.actors.resources import DRIVER_CPUS, live_nodes, n_actors_for, plan_a
 from rayfl.actors.runtime import dead_nodes, start_client_actors
 from rayfl.config import UserError
 from rayfl.divergence import Diverged
-from rayfl.loop import NoCapacity
 from rayfl.plugins import Sealed
 from rayfl.progress import stderr_into
 from rayfl.ray_compat import node_logs_dir
+from rayfl.recovery import NoCapacity
 
 
 DRIVER_START_SECONDS = 120  # a driver actor answers its first poll once started (MLflow, torch imports)
@@ -49,11 +49,11 @@ def launch(prepared, tracking: dict | None, checkpoint_dir: str | None = None,
     autoscaler that can add nodes) or the user set capacity_wait: then it only warns, and the actors wait for
     nodes. Likewise client actors lost with a node: waited for then, else their clients move to the surviving
     actors (actors.runtime)."""
-    from rayfl.loop import Loop
+    from rayfl import checkpoint
 
     cfg = prepared.cfg
     if checkpoint_dir:
-        Loop.read_checkpoint(checkpoint_dir, cfg)  # a checkpoint of another config or version: refused here
+        checkpoint.read(checkpoint_dir, cfg)  # a checkpoint of another config or version: refused here
     wait_for_room = _waits_for_room(cfg, cluster_may_grow)
     if resources is None:
         nodes = _settled_nodes()  # each node's free resources: an actor lives on one node

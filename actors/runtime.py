@@ -14,7 +14,7 @@ clients move to the surviving actors (:meth:`RayRuntime.rehost`), each lost host
 own inside one survivor (its partial sums unchanged, so the run's results are too), restored from the snapshot
 and replayed like any other loss. With ``wait_for_room`` (an autoscaler that can add a node, or a
 ``capacity_wait`` the user set) it is waited for ``capacity_wait`` seconds, then the run ends with
-:class:`~rayfl.loop.NoCapacity`.
+:class:`~rayfl.recovery.NoCapacity`.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from rayfl.actors.client import ClientActor
 from rayfl.actors.handles import resolve
 from rayfl.actors.resources import ActorResources
 from rayfl.batch import pack
-from rayfl.loop import NoCapacity
 from rayfl.plugins import Sealed
+from rayfl.recovery import NoCapacity
 from rayfl.runtime import ClientsLost, Pending, SaveChain, assign_hosts, gather, group_by_host
 
 
@@ -43,10 +43,10 @@ def start_client_actors(prepared, x_ref, y_ref, resources: ActorResources, n_act
     cfg, fed = prepared.cfg, prepared.federation
     initial_ref = ray.put(prepared.initial)
     blocks = [{c: fed.clients[c] for c in block} for block in assign_hosts(cfg.clients, n_actors)]
+    spec = prepared.host_spec().without_arrays()
     actors = [ClientActor.options(**resources.options(), max_restarts=cfg.max_restarts,
                                   **(actor_options[h] if actor_options else {})).remote(
-                  Sealed((cfg, prepared.model_spec, prepared.info.task, block, fed.holdout, prepared.plugins)),
-                  x_ref, y_ref, initial_ref)
+                  Sealed((spec, block, prepared.plugins)), x_ref, y_ref, initial_ref)
               for h, block in enumerate(blocks)]
     return actors, [x_ref, y_ref, initial_ref]
 

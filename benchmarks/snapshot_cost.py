@@ -34,10 +34,8 @@ def in_process(prepared, per_actor: int, repeats: int = 7) -> tuple[float, float
     """Median seconds of one FedAvg training round and of one state() call, for one host of per_actor clients."""
     from rayfl.host import ClientHost
 
-    cfg, fed = prepared.cfg, prepared.federation
-    ds = prepared.dataset
-    host = ClientHost(cfg, prepared.algorithm, prepared.model_spec, prepared.info.task, ds.x, ds.y,
-                      {c: fed.clients[c] for c in range(per_actor)}, prepared.initial)
+    fed = prepared.federation
+    host = ClientHost(prepared.host_spec(), {c: fed.clients[c] for c in range(per_actor)})
     items = [(c, {"models": {"global": prepared.initial}}) for c in range(per_actor)]
     rounds, states = [], []
     host.run("train", items), host.state()  # warm-up: torch's and numpy's first-call costs

@@ -115,8 +115,9 @@ class Config:
     # local, each client's own, never averaged (FedBN, Li et al. 2021), where the algorithm declares local_buffers
     buffers: str = "global"
 
-    def check(self) -> None:
-        """Raise UserError naming the first bad value and what is allowed."""
+    def check(self) -> Any:
+        """Raise UserError naming the first bad value and what is allowed; returns the algorithm's knobs, parsed
+        and checked (its Params), which a run carries from here on."""
         from rayfl.algorithms import algorithm_names, get_algorithm
         from rayfl.data.datasets import check_dataset_name
         from rayfl.data.partition import PARTITIONS
@@ -139,7 +140,7 @@ class Config:
         _one_of("optimizer", self.optimizer, OPTIMIZERS)
         check_model_name(self.model)
         _one_of("buffers", self.buffers, BUFFERS)
-        if self.buffers == "local" and not vars(get_algorithm(self.algo).ClientLogic).get("local_buffers"):
+        if self.buffers == "local" and not get_algorithm(self.algo).capability("local_buffers"):
             raise UserError(f"buffers='local': algo={self.algo!r} does not declare that its clients keep their own "
                             f"buffers (ClientLogic.local_buffers); allowed: global")
         if self.clients_per_actor != "auto" and not (isinstance(self.clients_per_actor, int)
@@ -220,13 +221,15 @@ class Config:
         except Exception as e:  # noqa: BLE001 - a plugin's check may raise anything: one line naming it
             raise UserError(f"algo={self.algo!r}: its Params check raised {type(e).__name__}: "
                             f"{str(e).splitlines()[0] if str(e) else ''}") from None
+        return params
 
-    def to_flat(self) -> dict[str, Any]:
-        """All resolved values as flat MLflow params (algorithm knobs as ``param.<name>``)."""
+    def to_flat(self, params: Any = None) -> dict[str, Any]:
+        """All resolved values as flat MLflow params (algorithm knobs as ``param.<name>``); ``params``: the
+        algorithm's knobs as :meth:`check` parsed them, where the caller has them."""
         from rayfl.algorithms import get_algorithm
 
         flat = {k: v for k, v in dataclasses.asdict(self).items() if k != "params"}
-        resolved = dataclasses.asdict(get_algorithm(self.algo).make_params(self.params))
+        resolved = dataclasses.asdict(params if params is not None else get_algorithm(self.algo).make_params(self.params))
         flat.update({f"param.{k}": v for k, v in resolved.items()})
         return flat
 

@@ -8,6 +8,7 @@ MLflow work about 2 s sooner.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 from dataclasses import dataclass
@@ -36,10 +37,36 @@ class ModelSpec:
         return build_model(self.name, self.input_shape, self.num_outputs, self.factory)
 
 
+@dataclass(frozen=True)
+class HostSpec:
+    """What a client host (:class:`rayfl.host.ClientHost`) needs to build its clients, in whatever process it
+    runs: the run's config, the algorithm and its knobs as parsed once (:meth:`rayfl.config.Config.check`), how
+    to build the network, the data every client's splits index into, the common initial weights and the
+    held-out set. Under Ray the arrays travel beside it as object-store references (:meth:`without_arrays`)."""
+
+    cfg: Config
+    algorithm: Algorithm
+    params: Any
+    model_spec: ModelSpec
+    task: str
+    x: Any = None
+    y: Any = None
+    initial: Any = None
+    holdout: Any = None
+
+    def without_arrays(self) -> "HostSpec":
+        """The spec less its data and initial weights, which travel apart (one object-store copy per cluster)."""
+        return dataclasses.replace(self, x=None, y=None, initial=None)
+
+    def with_arrays(self, x, y, initial) -> "HostSpec":
+        return dataclasses.replace(self, x=x, y=y, initial=initial)
+
+
 @dataclass
 class Prepared:
     cfg: Config
     algorithm: Algorithm
+    params: Any  # the algorithm's knobs (its Params), parsed and checked once, by cfg.check()
     dataset: object  # rayfl.data.Dataset
     federation: object  # rayfl.data.Federation
     model_spec: ModelSpec
@@ -49,6 +76,11 @@ class Prepared:
     # what was registered from outside the package (rayfl.plugins.Plugins): every process that receives this
     # registers it on arrival, so that a plugin's algorithm is found by name there too
     plugins: object = None
+
+    def host_spec(self) -> HostSpec:
+        """What every host of this run builds its clients from."""
+        return HostSpec(self.cfg, self.algorithm, self.params, self.model_spec, self.info.task, self.dataset.x,
+                        self.dataset.y, self.initial, self.federation.holdout)
 
 
 def prepare(cfg: Config) -> Prepared:
@@ -60,7 +92,7 @@ def prepare(cfg: Config) -> Prepared:
     from rayfl.stage_cache import data_identity
     from rayfl.training import to_vector
 
-    cfg.check()
+    params = cfg.check()
     if cfg.stage_cache:  # the same directory for every process of the run, whatever its working directory
         cfg.stage_cache = os.path.abspath(os.path.expanduser(cfg.stage_cache))
         try:  # one that cannot be written is refused now, not when a stage is stored
@@ -90,7 +122,7 @@ def prepare(cfg: Config) -> Prepared:
                    holdout_counts=np.bincount(ds.y[fed.holdout], minlength=ds.num_classes).tolist()
                    if ds.task == "classification" else None, model=name)
     algorithm = get_algorithm(cfg.algo)
-    check_run = getattr(algorithm.make_params(cfg.params), "check_run", None)
+    check_run = getattr(params, "check_run", None)
     if check_run is not None:  # what the algorithm needs of the federation and the network, before any actor starts
         try:
             check_run(info, model)
@@ -109,4 +141,4 @@ def prepare(cfg: Config) -> Prepared:
     data_id = data_identity(ds, fed) if cfg.stage_cache else ""
     from rayfl.plugins import carried
 
-    return Prepared(cfg, algorithm, ds, fed, spec, initial, info, data_id, plugins=carried())
+    return Prepared(cfg, algorithm, params, ds, fed, spec, initial, info, data_id, plugins=carried())

@@ -18,19 +18,21 @@ import numpy as np
 import torch
 
 from rayfl import privacy, training
-from rayfl.algorithms.base import ClientLogic
+from rayfl.algorithms.base import ClientLogic, Message, Upload, capability
 from rayfl.batch import pack
 from rayfl.client import Bench, Client, TrainSettings, eval_pass, evaluate_together
 from rayfl.data import ClientData, materialize
-from rayfl.experiment import ModelSpec
+from rayfl.experiment import HostSpec
 from rayfl.reduce import ClippedSum, Partial, accumulate
 from rayfl.snapshot import dumps, loads
 
 
 class ClientHost:
-    def __init__(self, cfg, algorithm, model_spec: ModelSpec, task: str, x, y, client_data: dict,
-                 initial: np.ndarray, device: str = "cpu", share: Callable = lambda v: v,
-                 resolve: Callable[[list], list] = lambda hs: list(hs), holdout: np.ndarray | None = None):
+    def __init__(self, spec: HostSpec, client_data: dict, device: str = "cpu", share: Callable = lambda v: v,
+                 resolve: Callable[[list], list] = lambda hs: list(hs)):
+        """The clients ``client_data`` names (client id -> its splits of ``spec.x``/``spec.y``), built on
+        ``device``; ``share`` makes an object-store handle of a vector, ``resolve`` reads handles."""
+        cfg, x, y, holdout = spec.cfg, spec.x, spec.y, spec.holdout
         torch.set_num_threads(cfg.torch_threads)
         # numpy's BLAS too (FedFomo's distances, reductions): its default, one thread per core, spins against
         # the other actors' threads (a 159k-element dot took 23 ms instead of 0.9 ms on the 2-core box)
@@ -41,9 +43,9 @@ class ClientHost:
         self.resolve = resolve
         self._holdout_cache: dict = {}  # transform -> the "global" split, shared by this host's clients
         self._layouts: dict = {}  # the inputs of the last group evaluated together (evaluate_together)
-        self.logic = algorithm.ClientLogic(algorithm.make_params(cfg.params))
-        settings = TrainSettings.from_config(cfg, task)
-        self.bench = Bench(model_spec.build, initial, device)
+        self.logic = spec.algorithm.ClientLogic(spec.params)
+        settings = TrainSettings.from_config(cfg, spec.task)
+        self.bench = Bench(spec.model_spec.build, spec.initial, device)
         self.clients: dict[int, Client] = {}
         self._encoded: dict[int, bytes] = {}  # each client's last state() blob
         self._changed: set[int] = set()  # clients that ran a non-evaluation step since it was made
@@ -52,7 +54,7 @@ class ClientHost:
             torch.manual_seed(cfg.seed)  # initial weights come from `initial`; this seeds anything else
             client = Client(cid, materialize(x, y, cd, device), None, None, settings, cfg.seed, device, share,
                             cd.group, bench=self.bench)
-            if holdout is not None and len(holdout) and getattr(self.logic, "uses_holdout", False):
+            if holdout is not None and len(holdout) and capability(self.logic, "uses_holdout"):
                 client.splits["global"] = self._holdout(x, y, holdout, cd, device)
             self.logic.init_client(client)
             self.clients[cid] = client
@@ -96,7 +98,7 @@ class ClientHost:
             privacy.noisy_gradient([(model, [p for p in model.parameters() if p.requires_grad],
                                      training.loss_fn_for(client.settings.task))], x[:2], y[:2], 0.0, 1.0, 1.0, None)
 
-    def run(self, step: str, items: list[tuple[int, dict]], reduce=None) -> tuple[list[dict], Partial]:
+    def run(self, step: str, items: list[tuple[int, Message]], reduce=None) -> tuple[list[Upload], Partial]:
         """Run ``step_<step>`` for each (client id, message); one batched fetch of every named model.
         Returns the uploads and this host's partial sum of the requested reduction (empty without one)."""
         method = getattr(self.logic, f"step_{step}", None)
@@ -131,7 +133,7 @@ class ClientHost:
             self.bench.end_call()
         return uploads, partial
 
-    def _evaluate_together(self, items: list[tuple[int, dict]], resolved: list[dict]) -> dict[int, dict]:
+    def _evaluate_together(self, items: list[tuple[int, Message]], resolved: list[dict]) -> dict[int, Upload]:
         """The default ``step_evaluate`` of the clients that are evaluated with the same weights
         (``ClientLogic.eval_weights``: FedAvg's global model) and have small splits, done together: item
         index -> its record, each client's ``seconds`` its share of the group's time. At 1,000 clients of a

@@ -32,7 +32,7 @@ run-level accountant counts (z, q) once per averaging round; the guarantee is ev
 
 An algorithm declares on its own class (a subclass does not inherit the promise, so one that trains or averages
 differently must make its own): ``ClientLogic.private_training`` (True, or a string saying why not) and
-``Server.averages``.
+``Server.averages`` (both declared in :mod:`rayfl.algorithms.base`).
 """
 
 from __future__ import annotations
@@ -69,11 +69,6 @@ class DPSettings:
         return cls(cfg.dp_noise, cfg.dp_clip, cfg.dp_delta, cfg.dp_level, cfg.dp_accountant)
 
 
-def declared(cls: type, name: str) -> Any:
-    """What ``cls`` itself declares (not what it inherits): a promise about how it trains or averages."""
-    return vars(cls).get(name)
-
-
 # --------------------------------------------------------------------------------------------- checks
 
 def check_config(cfg, algo) -> None:
@@ -97,12 +92,12 @@ def check_config(cfg, algo) -> None:
                                  f"dp_noise > 0 (--dp-noise) to turn it on, or leave {name} at its default")
         return
     if cfg.dp_level == "user":
-        if not declared(algo.Server, "averages"):
+        if not algo.capability("averages"):
             raise ValueError(f"algo={cfg.algo!r}: dp_level=user cannot cover it: its server does not average client "
                             "updates through the reduction (Server.averages), its uploads are individual models, "
                             "so there is no sum to clip and noise")
         return
-    promise = declared(algo.ClientLogic, "private_training")
+    promise = algo.capability("private_training")
     if promise is not True:
         why = promise if isinstance(promise, str) else (
             "it does not declare that all its training goes through client.fit / training.train_epochs "
@@ -304,6 +299,42 @@ def release_key(*label):
 def active() -> Account | None:
     """The running client step's account, when its training must be private."""
     return _ACTIVE.get()
+
+
+# --------------------------------------------------------------------------------------------- for an algorithm
+# An algorithm whose step trains through client.fit / training.train_epochs needs nothing of this module. One
+# whose step computes gradients of its own (FedeRiCo's weighted gradients for its neighbours' models) asks
+# whether the step is private, and takes its gradients from here as one release; one that trains several models
+# in a step keys their releases apart (release_key).
+FOR_ALGORITHMS = ("private_step", "private_gradients", "release_key")  # all an algorithm module may call here
+
+def private_step() -> bool:
+    """Whether the running client step is under sample-level DP: its data may be read only through a release
+    of this module (:func:`private_gradients`), and what it reads outside one (a validation split) is not
+    covered."""
+    return _ACTIVE.get() is not None
+
+
+def private_gradients(parts: list[tuple], x, y, batch_size: int) -> list[list]:
+    """One DP-SGD release (Abadi et al. 2016, Algorithm 1) of the gradients of several models' mean losses on
+    (x, y), the running client's training data: a Poisson sample at rate batch_size / n, every sample's
+    gradients for all the models clipped together to norm C, Gaussian noise σ·C on each sum, divided by the
+    expected batch size; the client's account charged once. ``parts``: [(model, params, loss_fn), ...];
+    returns, per part, the privatized gradient of each of its params."""
+    account = _ACTIVE.get()
+    if account is None:
+        raise RuntimeError("private_gradients: called outside a private client step (see private_step)")
+    n = x.shape[0]
+    rate, _ = batch_plan(n, batch_size)
+    gen = account.generator()  # the release's own batch and noise
+    idx = poisson_batch(n, rate, gen, x.device)
+    sums, _ = noisy_gradient(parts, x[idx], y[idx], account.dp.noise, account.dp.clip, rate * n, gen)
+    account.spend(rate, 1)
+    out, k = [], 0
+    for _, params, _ in parts:
+        out.append(list(sums[k:k + len(params)]))
+        k += len(params)
+    return out
 
 
 def poisson_batch(n: int, rate: float, gen, device) -> Any:

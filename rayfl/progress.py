@@ -135,7 +135,7 @@ class ConsoleProgress:
 
         cfg, p = e["cfg"], e["prepared"]
         self.since = time.monotonic()
-        knobs = ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(p.algorithm.make_params(cfg.params)).items())
+        knobs = ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(p.params).items())
         from rayfl.privacy import headline
 
         private = headline(cfg)

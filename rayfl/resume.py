@@ -14,6 +14,7 @@ import os
 
 import numpy as np
 
+from rayfl.algorithms.base import capability
 from rayfl.config import UserError, shown
 from rayfl.user_input import MAX_MAGNITUDE
 
@@ -58,13 +59,13 @@ def check_recorded_plugins(run_dir: str) -> None:
 def check_checkpoint(run_dir: str, prepared) -> None:
     """UserError ``checkpoint=PATH: FIELD: problem`` for the first part of the checkpoint in ``run_dir`` that a
     run of ``prepared`` could not go on from."""
-    from rayfl.loop import CHECKPOINT_FILE, Loop
+    from rayfl import checkpoint
     from rayfl.snapshot import SnapshotError, check_like, loads
 
-    state = Loop.read_checkpoint(run_dir, prepared.cfg)  # readable, this version's and this config's
+    state = checkpoint.read(run_dir, prepared.cfg)  # readable, this version's and this config's
     if state is None:
         return
-    path = os.path.join(run_dir, CHECKPOINT_FILE)
+    path = checkpoint.path_in(run_dir)
 
     def refuse(problem: str):
         return UserError(f"checkpoint={path}: {problem}")
@@ -92,10 +93,10 @@ def check_checkpoint(run_dir: str, prepared) -> None:
                                          for h in state["dp_history"]):
         raise refuse("dp_history: every entry must be a list of numbers")
     template = server.state_dict()
-    for name in getattr(server, "growing_state", ()):  # arrays a Server declares to change shape over a run
+    for name in capability(server, "growing_state"):  # arrays a Server declares to change shape over a run
         if isinstance(template.get(name), np.ndarray):
             template[name] = np.empty((0,) * template[name].ndim, template[name].dtype)
-    for name in getattr(server, "client_ids", ()):  # the ids a Server keeps must be clients of this run
+    for name in capability(server, "client_ids"):  # the ids a Server keeps must be clients of this run
         ids = state["server"].get(name) if isinstance(state["server"], dict) else None
         if ids is not None and not (isinstance(ids, (list, tuple)) and all(
                 type(c) is int and 0 <= c < cfg.clients for c in ids)):
@@ -197,7 +198,7 @@ def _check_weights(tree, initial: np.ndarray, where: str) -> None:
 def _fresh_server(prepared):
     """The algorithm's Server as a new run of this config starts it, in this process (handles are values)."""
     algo = prepared.algorithm
-    return algo.Server(algo.make_params(prepared.cfg.params), prepared.info, lambda v: v, lambda hs: list(hs),
+    return algo.Server(prepared.params, prepared.info, lambda v: v, lambda hs: list(hs),
                        np.random.default_rng(prepared.cfg.seed), prepared.initial)
 
 
@@ -210,9 +211,7 @@ def _fresh_host(prepared):
 
     threads = torch.get_num_threads()
     fed = prepared.federation
-    host = ClientHost(prepared.cfg, prepared.algorithm, prepared.model_spec, prepared.info.task, prepared.dataset.x,
-                      prepared.dataset.y, {c: fed.clients[c] for c in range(prepared.cfg.clients)},
-                      prepared.initial, holdout=fed.holdout)
+    host = ClientHost(prepared.host_spec(), {c: fed.clients[c] for c in range(prepared.cfg.clients)})
 
     def restore() -> None:
         host._blas_limit.restore_original_limits()
@@ -238,7 +237,7 @@ def with_step_sizes(run_dir: str, cfg, changes: dict):
     from rayfl.algorithms import get_algorithm
     from rayfl.config import make_config
     from rayfl.divergence import step_sizes
-    from rayfl.loop import CHECKPOINT_FILE, Loop, config_fingerprint
+    from rayfl import checkpoint
 
     sizes = step_sizes(cfg, get_algorithm(cfg.algo).make_params(cfg.params))
     asked = {**{k: v for k, v in changes.items() if k != "params"},
@@ -260,11 +259,11 @@ def with_step_sizes(run_dir: str, cfg, changes: dict):
     changed = {k: [sizes[k], new_sizes[k]] for k in sizes if sizes[k] != new_sizes[k]}
     if not changed:
         return cfg
-    state = Loop.read_checkpoint(run_dir, cfg)
-    flat, digest = config_fingerprint(new)
+    state = checkpoint.read(run_dir, cfg)
+    flat, digest = checkpoint.config_fingerprint(new)
     state[STEP_SIZE_CHANGES] = [*state.get(STEP_SIZE_CHANGES, []), {"from_round": state["step"] + 2, **changed}]
     state.update(config=flat, config_hash=digest)
-    snapshot.save(os.path.join(run_dir, CHECKPOINT_FILE), state)  # atomic: the old one until the new is whole
+    snapshot.save(checkpoint.path_in(run_dir), state)  # atomic: the old one until the new is whole
     path = os.path.join(run_dir, "config.yaml")
     with open(path) as f:
         record = yaml.safe_load(f)

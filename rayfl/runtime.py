@@ -126,9 +126,8 @@ class LocalRuntime:
         cfg, fed = prepared.cfg, prepared.federation
         blocks = assign_hosts(cfg.clients, n_hosts) if n_hosts else hosts_for(cfg)
         self.host_of = {c: h for h, block in enumerate(blocks) for c in block}
-        self.hosts = [ClientHost(cfg, prepared.algorithm, prepared.model_spec, prepared.info.task,
-                                 prepared.dataset.x, prepared.dataset.y, {c: fed.clients[c] for c in block},
-                                 prepared.initial, device=device, share=_frozen, holdout=fed.holdout)
+        spec = prepared.host_spec()
+        self.hosts = [ClientHost(spec, {c: fed.clients[c] for c in block}, device=device, share=_frozen)
                       for block in blocks]
         self.saves = SaveChain()
 

@@ -25,7 +25,7 @@ An algorithm is one module in ``rayfl/algorithms/`` that defines three things an
     Methods named ``step_<name>(client, msg, models)`` run on one :class:`~rayfl.client.Client` (its data,
     model and personal state live in the client, which lives in a long-lived actor). ``models`` is
     ``msg["models"]`` with every handle resolved to a flat float32 numpy vector (a dict name -> vector,
-    a list of vectors, or a dict key -> vector; an empty list or dict stays present, empty). A step returns a small dict, its *upload*; a vector meant
+    a list of vectors, or a dict key -> vector; an empty list or dict stays present, empty). A step returns a small dict, its *upload* (:class:`Upload`; what it is sent: :class:`Message`); a vector meant
     to stay in the object store is wrapped with ``client.share(vec)``, which the driver sees as a handle.
     ``step_evaluate`` (default: evaluate ``client.model``) reports the personalized model's metrics; a
     logic whose clients are evaluated with weights the message names (FedAvg's global model) says which in
@@ -35,11 +35,13 @@ An algorithm is one module in ``rayfl/algorithms/`` that defines three things an
     that is not the client's own (FedAvg) uses ``client.scratch(vec)`` and so keeps no personal weights; a
     client whose own part is small (MOCHA's head on the shared body) keeps that part in ``client.state`` and
     trains a scratch copy, so that its snapshots (every round, for fault replay) hold only that part.
-    Two optional class attributes declare what the platform may do around a logic's steps:
-    ``private_training`` (True where its training is ``client.fit``, so differential privacy's sample-level
-    path applies, else a string saying why not: :mod:`rayfl.privacy`) and ``local_buffers = True`` (its clients
-    may keep their own BatchNorm statistics, config ``buffers=local``: every vector a client loads gets its
-    own running statistics written in, FedBN, Li et al. 2021).
+
+Capabilities: optional class attributes of a ``Server`` or ``ClientLogic`` that tell the platform what it may do
+around the algorithm (``private_training``, ``local_buffers``, ``uses_holdout``, ``averages``, ``growing_state``,
+``client_ids``). Each is declared below, with its default and a docstring, on the class it belongs to, and the
+platform reads it only through :func:`capability` (or :meth:`Algorithm.capability`). A *promise* (``averages``,
+``private_training``, ``local_buffers``) counts only where the class itself makes it: a subclass that trains or
+averages differently does not inherit it.
 
 The shared loop (:mod:`rayfl.loop`) owns everything else: participant sampling, dispatch, evaluation,
 the summary across clients, logging, checkpoints and timing. Stages (PersFL's distillation, FedMoE's
@@ -60,14 +62,49 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, TypedDict
 
 import numpy as np
 
 from rayfl.user_input import check_count, to_kind
 
-Message = dict  # driver -> client: {"models": {...handles...}, other small values}
-Upload = dict  # client -> driver: small values, and handles made with client.share
+class Message(TypedDict, total=False):
+    """Driver -> client: what one client step is sent. The platform reads the keys declared here; beside them an
+    algorithm puts its own small plain values (numbers, strings, lists: FedeRiCo's ``K``, LG-FedAvg's
+    ``fedavg``), which only its own ClientLogic reads."""
+
+    models: dict[str, Any]
+    """Name -> a handle, a list of handles or a dict key -> handle: the host resolves every one (once for a
+    message sent to many clients) and hands the step the vectors, as its ``models`` argument."""
+
+    node: Any
+    """The group a grouped reduction sums the client's upload into (``WeightedMean(group="node")``: one FedAvg per
+    cluster), where the server asks for one."""
+
+
+class Upload(TypedDict, total=False):
+    """Client -> driver: what one client step returns, small values and handles made with ``client.share``. The
+    platform reads or writes the keys declared here; an evaluation (``step_evaluate``) returns, for each split
+    it measured, ``<split>_loss``, ``<split>_acc`` and ``n_<split>`` (:meth:`rayfl.client.Client.evaluate`),
+    which the loop summarises across clients (:func:`rayfl.metrics.round_summary`)."""
+
+    weights: Any
+    """A trained model's flat vector: the field FedAvg-like servers reduce (``WeightedMean("weights")``); the
+    reduction takes it out of the upload inside the host."""
+
+    n: int
+    """The client's training-set size: the weight of its upload in a ``WeightedMean(by="n")``."""
+
+    train_loss: float
+    """The local training loss (``client.fit``), which servers average across uploads."""
+
+    seconds: float
+    """Written by the host: how long the step took on this client."""
+
+    dp_epsilon: float
+    """Written by the host at evaluation under sample-level DP: the client's ε so far."""
+
+
 Call = Callable[..., "dict[int, Upload]"]  # call(step, messages, reduce=None)
 
 
@@ -152,9 +189,17 @@ class Server:
         """Handle of the model to save as the run's final global model, or None."""
         return None
 
-    # keys of state_dict() holding client ids (a list of integers): a checkpoint naming a client the run does not
-    # have is refused before it is loaded (rayfl.resume)
+    averages: str | None = None
+    """A promise: the attribute holding the handle of the model its clients start from, where each round averages
+    their updates through a ``WeightedMean``; user-level DP clips and noises that average (:mod:`rayfl.privacy`)."""
+
+    growing_state: tuple[str, ...] = ()
+    """Keys of ``state_dict()`` whose arrays change shape over a run (CFL's tree): a checkpoint's are checked by
+    dtype and number of dimensions only (:mod:`rayfl.resume`)."""
+
     client_ids: tuple[str, ...] = ()
+    """Keys of ``state_dict()`` holding client ids (lists of integers): a checkpoint naming a client the run does
+    not have is refused before it is loaded (:mod:`rayfl.resume`)."""
 
     def state_dict(self) -> dict:
         """Driver state for checkpoints, as plain arrays: resolve handles with ``self.get`` first."""
@@ -166,6 +211,18 @@ class Server:
 
 class ClientLogic:
     """Client side of an algorithm: ``step_<name>`` methods on one client. Ray-free."""
+
+    private_training: bool | str | None = None
+    """A promise: True where all its training is ``client.fit`` / ``training.train_epochs``, so that sample-level
+    DP-SGD covers it (:mod:`rayfl.privacy`); a string says why not."""
+
+    local_buffers: bool = False
+    """A promise: its clients may keep their own BatchNorm statistics (config ``buffers=local``; every vector a
+    client loads gets its own running statistics written in: FedBN, Li et al. 2021)."""
+
+    uses_holdout: bool = False
+    """Its clients read the balanced held-out set no client holds, as ``client.splits["global"]`` (FedMoE's global
+    test accuracy, Listo Zec et al. 2020, Sec. 4; FedAvg-with-shared-data's G)."""
 
     def __init__(self, params: Any):
         self.params = params
@@ -184,6 +241,27 @@ class ClientLogic:
         """The vector the default ``step_evaluate`` evaluates instead of the client's own model, the same
         for every client given the same message (FedAvg: the global model); None: the client's own."""
         return None
+
+
+PROMISES = frozenset({"averages", "private_training", "local_buffers"})  # not inherited: the class's own word
+CAPABILITIES = {"averages": Server, "growing_state": Server, "client_ids": Server,
+                "private_training": ClientLogic, "local_buffers": ClientLogic, "uses_holdout": ClientLogic}
+
+
+def declared(cls: type, name: str) -> Any:
+    """What ``cls`` itself declares (not what it inherits), or None."""
+    return vars(cls).get(name)
+
+
+def capability(owner: Any, name: str) -> Any:
+    """Capability ``name`` of a Server or ClientLogic (class or instance): its own declaration for a promise
+    (:data:`PROMISES`), else what it declares or inherits; the base class's default where it says nothing."""
+    base = CAPABILITIES[name]  # KeyError: not a capability, a typo the platform must not read as "no"
+    cls = owner if isinstance(owner, type) else type(owner)
+    default = getattr(base, name)
+    if name in PROMISES:
+        return vars(cls).get(name, default)
+    return getattr(cls, name, default)
 
 
 @dataclass(frozen=True)
@@ -230,6 +308,10 @@ class Algorithm:
                              f"allowed: {allowed}")
         converted = {k: _coerce(v, fields[k], self.name) for k, v in values.items()}
         return self.Params(**converted)
+
+    def capability(self, name: str) -> Any:
+        """Capability ``name`` of its Server or ClientLogic, whichever declares it (:func:`capability`)."""
+        return capability(getattr(self, CAPABILITIES[name].__name__), name)
 
     def param_names(self) -> list[str]:
         return [f.name for f in dataclasses.fields(self.Params)]

@@ -10,24 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 from rayfl.algorithms.base import Algorithm, ClientLogic, NoParams, Server, Stage
+from rayfl.algorithms.common import weighted_mean
 from rayfl.reduce import WeightedMean
-
-
-def weighted_mean(ups: dict, key: str, weight: str = "n") -> float:
-    """Size-weighted mean of one scalar across uploads (NaN-free uploads only)."""
-    pairs = [(u[key], u[weight]) for u in ups.values() if u.get(weight, 0) > 0 and u[key] == u[key]]
-    return float(np.average([p[0] for p in pairs], weights=[p[1] for p in pairs])) if pairs else float("nan")
-
-
-def with_global_model(record: dict, client, vec) -> dict:
-    """An evaluation record with the global model's test loss and accuracy beside the personalized model's, as the
-    split ``global_model`` (summarized as ``global_model_acc_mean``, ...): the papers' global-model column."""
-    glob = client.evaluate(client.model_of(vec), ("test",))
-    return {**record, "global_model_loss": glob["test_loss"], "global_model_acc": glob["test_acc"],
-            "n_global_model": glob["n_test"]}
 
 
 class FedAvgServer(Server):

@@ -70,7 +70,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rayfl.algorithms.base import Algorithm, ClientLogic, Server
-from rayfl.algorithms.baselines import weighted_mean
+from rayfl.algorithms.common import weighted_mean
 from rayfl.reduce import WeightedMean, accumulate, combine
 
 LINKAGES = ("single", "complete")  # single: the paper's Algorithm 1; complete: the authors' code

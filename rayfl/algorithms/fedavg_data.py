@@ -41,7 +41,8 @@ import numpy as np
 import torch
 
 from rayfl.algorithms.base import Algorithm
-from rayfl.algorithms.baselines import FedAvgClient, FedAvgServer, weighted_mean
+from rayfl.algorithms.baselines import FedAvgClient, FedAvgServer
+from rayfl.algorithms.common import weighted_mean
 
 REGRESSION_DATASETS = ("sine",)
 SHARED_SEED = 0xDA7A  # mixed with the run's seed: the draws of G and of each client's share

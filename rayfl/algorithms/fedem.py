@@ -64,7 +64,7 @@ import torch.nn.functional as F
 
 from rayfl import training
 from rayfl.algorithms.base import Algorithm, ClientLogic, Server
-from rayfl.algorithms.baselines import weighted_mean
+from rayfl.algorithms.common import weighted_mean
 from rayfl.reduce import WeightedMean
 
 EVAL_BATCH = 1024  # samples per forward pass, at most, in the E-step and the mixture's evaluation

@@ -280,7 +280,7 @@ class FedericoClient(ClientLogic):
 
     def _batch(self, client, full: bool = False):
         """A minibatch of the split the E-step reads: training, or validation under sample-level DP."""
-        x, y = client.splits["val" if privacy.active() else "train"]
+        x, y = client.splits["val" if privacy.private_step() else "train"]
         if full or x.shape[0] <= client.settings.batch_size:
             return x, y
         idx = torch.randperm(x.shape[0], generator=client.gen)[: client.settings.batch_size].to(x.device)
@@ -324,9 +324,9 @@ class FedericoClient(ClientLogic):
         nets = [client.model] + self._peer_models(client, list(peers.values()))
         x, y = self._batch(client)
         loss_fn = self._loss_fn(client)
-        account = privacy.active()
+        private_step = privacy.private_step()
         losses = []
-        with torch.no_grad() if account else contextlib.nullcontext():
+        with torch.no_grad() if private_step else contextlib.nullcontext():
             for net in nets:
                 net.train()
                 losses.append(loss_fn(net(x), y))  # mean per sample on B_i
@@ -334,7 +334,7 @@ class FedericoClient(ClientLogic):
         st["L"] = ema_update(st["L"], owners, new, p.beta)  # §3.3, EMA of the losses
         st["w"] = w = posterior(st["L"])  # w_i^(t), used for the gradients below (new w at old Φ, §3.2)
         grads = {}
-        private = self._private_grads(client, nets, loss_fn, account) if account else None
+        private = self._private_grads(client, nets, loss_fn) if private_step else None
         for k, (j, net, loss) in enumerate(zip(owners, nets, losses)):
             scale = float(w[j] * st["scale"])
             if private is not None:  # weighted after the noise: post-processing of the private gradient
@@ -350,22 +350,12 @@ class FedericoClient(ClientLogic):
         return {"grads": grads, "w": w, "next": st["next"], "loss": float(losses[0].detach()), "n": client.n()}
 
     @staticmethod
-    def _private_grads(client, nets: list[nn.Module], loss_fn, account) -> list[torch.Tensor]:
-        """∇φ_j of the mean loss of every j in nets on one Poisson sample of the training split, as one DP-SGD
-        release (each sample's gradients for all nets clipped together, noise on each sum; rayfl.privacy)."""
-        x, y = client.splits["train"]
-        n = x.shape[0]
-        rate, _ = privacy.batch_plan(n, client.settings.batch_size)
-        gen = account.generator()  # the release's own batch and noise (rayfl.privacy)
-        idx = privacy.poisson_batch(n, rate, gen, x.device)
+    def _private_grads(client, nets: list[nn.Module], loss_fn) -> list[torch.Tensor]:
+        """∇φ_j of the mean loss of every j in nets on the training split, as one DP-SGD release (each sample's
+        gradients for all nets clipped together, noise on each sum: rayfl.privacy), each a flat vector."""
         parts = [(net, list(net.parameters()), loss_fn) for net in nets]
-        sums, _ = privacy.noisy_gradient(parts, x[idx], y[idx], account.dp.noise, account.dp.clip, rate * n, gen)
-        account.spend(rate, 1)
-        out, k = [], 0
-        for _, params, _ in parts:
-            out.append(torch.cat([t.reshape(-1) for t in sums[k:k + len(params)]]))
-            k += len(params)
-        return out
+        grads = privacy.private_gradients(parts, *client.splits["train"], client.settings.batch_size)
+        return [torch.cat([t.reshape(-1) for t in per_net]) for per_net in grads]
 
     def step_mstep(self, client, msg, models):
         """φ_i <- OptimizerStep(φ_i, w_ii ∇ own + Σ_{k: i ∈ N_k} g_{i<-k}): the column-i sum of Eq. 8."""

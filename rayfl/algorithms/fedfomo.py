@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rayfl.algorithms.base import Algorithm, ClientLogic, Matrix, Server, Stage
-from rayfl.algorithms.baselines import weighted_mean
+from rayfl.algorithms.common import weighted_mean
 
 DISTANCES = ("l2", "l1")
 BASELINES = ("single", "average")  # Eq. 3's single models against the own baseline | A.4's model averages

@@ -53,7 +53,8 @@ from torch import nn
 
 from rayfl import training
 from rayfl.algorithms.base import Algorithm, Stage
-from rayfl.algorithms.baselines import FedAvgClient, FedAvgServer, weighted_mean
+from rayfl.algorithms.baselines import FedAvgClient, FedAvgServer
+from rayfl.algorithms.common import weighted_mean
 
 MIXTURE_LOSSES = ("paper", "code")
 

@@ -12,12 +12,12 @@ layers W_Pj (its own). Round k, for the round's participants S_k (the paper's cl
 and client j is evaluated with f(x; W_B^(k), W_Pj): the current global base under its own personalization layers.
 
 The same machinery serves LG-FedAvg (:mod:`rayfl.algorithms.lgfedavg`), the opposite split (the top layers
-shared, the bottom ones personal): :class:`SplitClient` is FedAvg's client with a mask of *shared* entries of
+shared, the bottom ones personal): :class:`~rayfl.algorithms.common.SplitClient` is FedAvg's client with a mask of *shared* entries of
 the flat weight vector; FedPer shares all but the top K_P layers.
 
 How it is computed, and the choices where the paper is silent:
 - The server is FedAvg's, unchanged: it averages the whole uploaded vector, size-weighted. A client, receiving
-  the global vector, overwrites only the shared entries of its own model (:func:`with_shared`), so the
+  the global vector, overwrites only the shared entries of its own model (:func:`~rayfl.algorithms.common.with_shared`), so the
   averaged personal entries travel but are never read. The paper sends only W_B; the communication it saves is
   not modelled here (a run's logged vectors are full size). The run's final "global" model is that average:
   its base is W_B, its personal entries mean nothing; a client's personalized model is its own vector with
@@ -44,12 +44,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rayfl import training
 from rayfl.algorithms.base import Algorithm
 from rayfl.algorithms.baselines import FedAvgClient, FedAvgServer
+from rayfl.algorithms.common import SplitClient, check_layers, check_split, split_size
 from rayfl.algorithms.layers import layer_slices, top_mask
-
-DEFAULT_SPLIT = 2  # layers on the model's side of the split by default (FedPer's K_P, LG-FedAvg's global head)
 
 
 # ------------------------------------------------------------------------------------------- knobs
@@ -66,48 +64,11 @@ class FedPerParams:
                     "a shared base and a personal head")
 
 
-def check_layers(name: str, value) -> None:
-    """A layer count: an integer >= 0 (0: the model's default)."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-        raise ValueError(f"{name}={value!r}: must be an integer >= 0 (0: the model's default)")
-
-
-def check_split(name: str, value: int, model_name: str, model, algo: str, parts: str) -> None:
-    """The run's model must have a layer on each side of the split: ``value`` in [1, L-1] (or 0, the default)."""
-    n = len(layer_slices(model))
-    if n < 2:
-        raise ValueError(f"model={model_name!r}: has {n} layer; {algo} needs at least 2 ({parts})")
-    if value > n - 1:
-        raise ValueError(f"{name}={value}: model {model_name!r} has {n} layers, so at most {n - 1} (one is left "
-                         f"to the other side of the split)")
-
-
 # ------------------------------------------------------------------------------------------- the split
-
-def split_size(k: int, n_layers: int) -> int:
-    """The number of layers on the model's side of the split: k, or for k = 0 the default min(2, L - 1)."""
-    return k if k else min(DEFAULT_SPLIT, n_layers - 1)
-
 
 def base_mask(model, k_p: int) -> np.ndarray:
     """FedPer's shared entries: every layer but the top K_P personalization layers (the base W_B)."""
     return ~top_mask(model, split_size(k_p, len(layer_slices(model))))
-
-
-def shared_ranges(mask: np.ndarray) -> list[slice]:
-    """A mask's True entries as contiguous ranges (one range for FedPer's base and for LG-FedAvg's head), so that
-    taking the shared part copies those entries and nothing else."""
-    edges = np.flatnonzero(np.diff(np.concatenate([[False], np.asarray(mask, bool), [False]]).astype(np.int8)))
-    return [slice(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2])]
-
-
-def with_shared(own, received, shared: list[slice]):
-    """A client's model on receiving the global vector, written into ``own`` (its working copy, numpy or torch
-    as ``received``): the shared entries (``shared``, ranges) from ``received``, the others its own (FedPer's
-    client receiving W_B, LG-FedAvg's device receiving θ^g)."""
-    for s in shared:
-        own[s] = received[s]
-    return own
 
 
 # ------------------------------------------------------------------------------------------- driver
@@ -120,46 +81,7 @@ class FedPerServer(FedAvgServer):
 
 # ------------------------------------------------------------------------------------------- client
 
-class SplitClient(FedAvgClient):
-    """FedAvg's client with a mask: only the ``shared_mask`` entries of the global model replace the client's
-    own, the whole model trains, the whole vector is uploaded (the server averages it; the personal entries of
-    the average are never read). The client is evaluated on its own model under the current shared part."""
-
-    def __init__(self, params):
-        super().__init__(params)
-        self.shared: list[slice] | None = None  # the shared entries' ranges; made once per host from its model
-
-    def shared_mask(self, model) -> np.ndarray:
-        """True on the entries the server's average overwrites (each algorithm says which)."""
-        raise NotImplementedError
-
-    def ranges(self, client) -> list[slice]:
-        if self.shared is None:
-            self.shared = shared_ranges(self.shared_mask(client.model))
-        return self.shared
-
-    def take_shared(self, client, model, received):
-        """``model`` (holding the client's own weights) with the received shared part written in, in place."""
-        flat = training.flat_weights(model)
-        if flat is None:  # a module that flatten left alone (tied weights): through a vector
-            return client.load(with_shared(client.vector(model), received, self.ranges(client)), model)
-        with_shared(flat.data, training.as_tensor(received), self.ranges(client))
-        return model
-
-    def step_train(self, client, msg, models):
-        """Receive the shared part, train the whole model locally, upload it (the client and server algorithms'
-        client side)."""
-        model = self.take_shared(client, client.model, models["global"])
-        result = client.fit(model)
-        return {"weights": client.vector(model), **result}
-
-    def step_evaluate(self, client, msg, models):
-        """The personalized model: the client's own entries under the current global shared part, in a working
-        copy (evaluation leaves the client as it was)."""
-        return client.evaluate(self.take_shared(client, client.scratch(client.personal()), models["global"]))
-
-
-class FedPerClient(SplitClient):
+class FedPerClient(SplitClient, FedAvgClient):
     private_training = True  # every step trains through client.fit (rayfl.privacy)
 
     def shared_mask(self, model):

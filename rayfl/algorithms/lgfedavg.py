@@ -14,7 +14,7 @@ the top G layers θ^g (the global model, the head) are shared. Round t, for the 
 and device m is evaluated with g(l_m(x; θ^l_m); θ^g_{t+1}): its own local layers under the current global head
 (the paper's "local test" accuracy).
 
-It is FedPer's machinery with the opposite mask (:class:`rayfl.algorithms.fedper.SplitClient`): the server is
+It is FedPer's machinery with the opposite mask (:class:`rayfl.algorithms.common.SplitClient`): the server is
 FedAvg's and averages the whole vector; a device overwrites only the shared (global) entries of its own model,
 so the averaged local entries travel but are never read (the paper's saving in communication is not modelled).
 
@@ -51,8 +51,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rayfl.algorithms.base import Algorithm, Stage
-from rayfl.algorithms.baselines import FedAvgClient, FedAvgServer, weighted_mean
-from rayfl.algorithms.fedper import SplitClient, check_layers, check_split, split_size
+from rayfl.algorithms.baselines import FedAvgClient, FedAvgServer
+from rayfl.algorithms.common import SplitClient, check_layers, check_split, split_size, weighted_mean
 from rayfl.algorithms.layers import layer_slices, top_mask
 
 
@@ -110,7 +110,7 @@ class LGFedAvgServer(FedAvgServer):
 
 # ------------------------------------------------------------------------------------------- client
 
-class LGFedAvgClient(SplitClient):
+class LGFedAvgClient(SplitClient, FedAvgClient):
     private_training = True  # every step trains through client.fit (rayfl.privacy), the warm start's too
 
     def shared_mask(self, model):

@@ -79,7 +79,7 @@ import torch
 
 from rayfl import training
 from rayfl.algorithms.base import Algorithm, ClientLogic, Server
-from rayfl.algorithms.baselines import weighted_mean
+from rayfl.algorithms.common import weighted_mean
 from rayfl.algorithms.layers import layer_slices
 from rayfl.reduce import WeightedMean
 

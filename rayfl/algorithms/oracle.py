@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from rayfl.algorithms.base import Algorithm, Server
-from rayfl.algorithms.baselines import FedAvgClient, FedAvgServer, weighted_mean
+from rayfl.algorithms.baselines import FedAvgClient, FedAvgServer
+from rayfl.algorithms.common import weighted_mean
 from rayfl.reduce import WeightedMean
 
 GROUPED_PARTITIONS = ("latent", "label-groups", "rotation", "permutation")  # those that set RunInfo.groups

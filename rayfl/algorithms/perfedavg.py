@@ -59,8 +59,9 @@ from torch import nn
 
 from rayfl import training
 from rayfl.algorithms.base import Algorithm, ClientLogic
-from rayfl.algorithms.baselines import FedAvgServer, weighted_mean, with_global_model
-from rayfl.reduce import WeightedMean
+from rayfl.algorithms.baselines import FedAvgServer
+from rayfl.algorithms.common import (UNIFORM, Batches, batches_per_epoch, gradient, plain_steps, to_tensor, weighted_mean,
+                                     with_global_model)
 
 VARIANTS = ("fo", "hf")  # fo: Per-FedAvg (FO); hf: Per-FedAvg (HF)
 BATCHES_PER_STEP = {"fo": 2, "hf": 3}  # D, D' (and D'') per local step
@@ -88,65 +89,7 @@ class PerFedAvgParams:
         plain_steps(cfg, "Per-FedAvg takes plain gradient steps of sizes inner_lr and outer_lr (Algorithm 1)")
 
 
-def plain_steps(cfg, why: str) -> None:
-    """Refuse run settings an algorithm with its own plain gradient steps would silently ignore."""
-    if cfg.optimizer != "sgd":
-        raise ValueError(f"optimizer={cfg.optimizer!r}: {why}; use optimizer=sgd")
-    if cfg.momentum != 0:
-        raise ValueError(f"momentum={cfg.momentum}: {why}; use momentum=0")
-    if cfg.weight_decay != 0:
-        raise ValueError(f"weight_decay={cfg.weight_decay}: {why}; use weight_decay=0")
-
-
 # ------------------------------------------------------------------------------------------- gradients
-
-def flat_gradient(model: nn.Module, loss: torch.Tensor, keep: bool = True) -> torch.Tensor:
-    """∂loss/∂v for v the model's weight vector (rayfl.training.to_vector's order); 0 for buffers, frozen and
-    unused parameters. ``keep=False``: a flattened model's own gradient buffer, valid until its next gradient
-    (for a caller that uses it at once)."""
-    if training.flat_weights(model) is not None:  # a flattened model: backward into its flat buffer
-        grad = training.flat_grad(model)  # zeroed; every trainable parameter's .grad is a view of it
-        loss.backward()
-        return grad.clone() if keep else grad  # the buffer is reused by the next call
-    entries = [t for t in model.state_dict(keep_vars=True).values() if t.is_floating_point()]
-    params = [t for t in entries if isinstance(t, nn.Parameter) and t.requires_grad]
-    grads = dict(zip(map(id, params), torch.autograd.grad(loss, params, allow_unused=True)))
-    return torch.cat([(g if g is not None else torch.zeros_like(t)).reshape(-1)
-                      for t, g in ((t, grads.get(id(t))) for t in entries)]).detach()
-
-
-def gradient(model: nn.Module, vec: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
-             loss_fn: Callable, keep: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """f(vec; (x, y)) and ∇f(vec; (x, y)), the stochastic gradient of Algorithm 1, as a flat vector (``keep``:
-    :func:`flat_gradient`'s). ``vec`` may be the model's own flat weights (nothing to load then)."""
-    training.load_vector(model, vec)
-    training.set_mode(model, training=True)
-    loss = loss_fn(model(x), y)
-    return loss.detach(), flat_gradient(model, loss, keep)
-
-
-class Batches:
-    """A client's training split as a stream of minibatches: consecutive slices of random permutations drawn
-    with ``gen``, a new permutation when one is used up; consecutive batches are disjoint within a pass."""
-
-    def __init__(self, x: torch.Tensor, y: torch.Tensor, batch_size: int, gen: torch.Generator):
-        self.x, self.y, self.batch_size, self.gen = x, y, batch_size, gen
-        self.order: torch.Tensor | None = None  # the current permutation (None: none drawn yet)
-        self.start: int | None = None  # where the next batch starts in it
-
-    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        n = self.x.shape[0]
-        if self.order is None or self.start >= n:
-            self.order = torch.randperm(n, generator=self.gen).to(self.x.device)
-            self.start = 0
-        idx = self.order[self.start:self.start + self.batch_size]
-        self.start += self.batch_size
-        return self.x[idx], self.y[idx]
-
-
-def batches_per_epoch(n: int, batch_size: int) -> int:
-    return -(-n // batch_size)
-
 
 def local_steps(n: int, batch_size: int, epochs: int, variant: str, tau: int) -> int:
     """τ: the knob, else epochs × max(1, ⌊batches per epoch / batches per step⌋) (0 for an empty split)."""
@@ -193,11 +136,6 @@ def meta_step(model: nn.Module, w: torch.Tensor, batches: Batches, p: PerFedAvgP
     return hf_step(w, grad_tilde, hv, p.inner_lr, p.outer_lr), loss
 
 
-# w_{k+1} = (1/|A_k|) Σ_{i∈A_k} w^i (Algorithm 1's server line): the engine's weighted mean with every upload
-# carrying weight "one" = 1, summed inside the client actors
-UNIFORM = WeightedMean("weights", by="one")
-
-
 # ------------------------------------------------------------------------------------------- evaluation
 
 def eval_generator(seed: int, cid: int, rnd: int) -> torch.Generator:
@@ -213,11 +151,6 @@ def adaptation_batch(x: torch.Tensor, y: torch.Tensor, batch_size: int,
         return x, y
     idx = torch.randperm(x.shape[0], generator=gen)[:batch_size].to(x.device)
     return x[idx], y[idx]
-
-
-def to_tensor(vec, device) -> torch.Tensor:
-    """A writable float32 copy of a weight vector (object-store arrays are read-only)."""
-    return torch.from_numpy(np.array(vec, dtype=np.float32)).to(device)
 
 
 # ------------------------------------------------------------------------------------------- driver

@@ -50,7 +50,8 @@ import torch
 import torch.nn.functional as F
 
 from rayfl.algorithms.base import Algorithm, Stage
-from rayfl.algorithms.baselines import FedAvgClient, FedAvgServer, weighted_mean
+from rayfl.algorithms.baselines import FedAvgClient, FedAvgServer
+from rayfl.algorithms.common import weighted_mean
 from rayfl import privacy, training
 
 if TYPE_CHECKING:

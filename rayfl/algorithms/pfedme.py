@@ -60,8 +60,8 @@ from torch import nn
 
 from rayfl import training
 from rayfl.algorithms.base import Algorithm, ClientLogic, Server
-from rayfl.algorithms.baselines import weighted_mean, with_global_model
-from rayfl.algorithms.perfedavg import UNIFORM, Batches, batches_per_epoch, gradient, plain_steps, to_tensor
+from rayfl.algorithms.common import (UNIFORM, Batches, batches_per_epoch, gradient, plain_steps, to_tensor, weighted_mean,
+                                     with_global_model)
 
 
 @dataclass

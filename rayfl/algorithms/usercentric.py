@@ -44,7 +44,7 @@ import torch
 
 from rayfl import training
 from rayfl.algorithms.base import Algorithm, ClientLogic, Matrix, Server, Stage
-from rayfl.algorithms.baselines import weighted_mean
+from rayfl.algorithms.common import weighted_mean
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -17,7 +17,8 @@ from conftest import Payload, same, tiny
 from rayfl import snapshot
 from rayfl.config import UserError
 from rayfl.experiment import prepare
-from rayfl.loop import CHECKPOINT_FILE, Callback, Loop
+from rayfl.checkpoint import FILE as CHECKPOINT_FILE
+from rayfl.loop import Callback, Loop
 from rayfl.runtime import ClientsLost, LocalRuntime
 from rayfl.tracking import ensure_experiment
 

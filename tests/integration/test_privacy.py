@@ -250,6 +250,7 @@ def test_a_model_with_batchnorm_is_refused_naming_the_layer(monkeypatch):
 
 
 def test_a_promise_is_declared_by_the_class_itself_not_inherited():
+    from rayfl.algorithms.base import capability, declared
     from rayfl.algorithms.baselines import FedAvgClient, FedAvgServer
 
     class Trains(FedAvgClient):  # e.g. a baseline that overrides how it trains
@@ -258,9 +259,11 @@ def test_a_promise_is_declared_by_the_class_itself_not_inherited():
     class Averages(FedAvgServer):
         pass
 
-    assert privacy.declared(FedAvgClient, "private_training") is True
-    assert privacy.declared(Trains, "private_training") is None
-    assert privacy.declared(Averages, "averages") is None
+    assert declared(FedAvgClient, "private_training") is True
+    assert declared(Trains, "private_training") is None
+    assert declared(Averages, "averages") is None
+    assert capability(Trains, "private_training") is None and capability(Trains(None), "local_buffers") is False
+    assert capability(FedAvgServer, "averages") == "global_ref" and capability(Averages, "averages") is None
 
 
 # --------------------------------------------------------------------------------------------------

@@ -26,7 +26,8 @@ PLUGIN = '''
 from dataclasses import dataclass
 
 from rayfl.algorithms.base import Algorithm, Matrix
-from rayfl.algorithms.baselines import FedAvgClient, FedAvgServer, weighted_mean
+from rayfl.algorithms.baselines import FedAvgClient, FedAvgServer
+from rayfl.algorithms.common import weighted_mean
 
 
 @dataclass

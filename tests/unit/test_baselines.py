@@ -27,7 +27,7 @@ def test_fedavg_weights_uploads_by_training_size():
 
 
 def test_weighted_mean_leaves_out_empty_and_nan_uploads():
-    from rayfl.algorithms.baselines import weighted_mean
+    from rayfl.algorithms.common import weighted_mean
 
     ups = {0: {"loss": 1.0, "n": 1}, 1: {"loss": 4.0, "n": 2}, 2: {"loss": float("nan"), "n": 5},
            3: {"loss": 9.0, "n": 0}, 4: {"loss": 7.0}}

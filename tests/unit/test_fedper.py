@@ -13,8 +13,8 @@ from conftest import tiny
 from rayfl import training
 from rayfl.algorithms.base import RunInfo, Stage
 from rayfl.algorithms.layers import layer_slices
-from rayfl.algorithms.fedper import (FedPerClient, FedPerParams, FedPerServer, base_mask, shared_ranges, split_size,
-                                   with_shared)
+from rayfl.algorithms.common import shared_ranges, split_size, with_shared
+from rayfl.algorithms.fedper import FedPerClient, FedPerParams, FedPerServer, base_mask
 from rayfl.client import Bench, Client, TrainSettings
 from rayfl.experiment import prepare
 from rayfl.loop import Loop

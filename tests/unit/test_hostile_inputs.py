@@ -21,7 +21,8 @@ from rayfl import snapshot
 from rayfl.cli import main
 from rayfl.config import MAX_MESSAGE, UserError, make_config, shown
 from rayfl.experiment import prepare
-from rayfl.loop import CHECKPOINT_FILE, Loop
+from rayfl.checkpoint import FILE as CHECKPOINT_FILE
+from rayfl.loop import Loop
 from rayfl.runtime import LocalRuntime
 
 
