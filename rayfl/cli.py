@@ -113,7 +113,8 @@ def cmd_run(args) -> int:
         raise UserError(f"--resume {args.resume!r}: empty path; give a run directory")
     steps: dict = {}
     if args.resume:
-        extra = [flag for flag in config_flags_given(args) if flag not in ("--lr", "--param")]
+        steps_only = all(item.partition("=")[0].strip().endswith("lr") for item in args.param)
+        extra = [flag for flag in config_flags_given(args) if flag not in ("--lr", "--param" if steps_only else "")]
         if extra:
             raise UserError(f"--resume {args.resume!r} with {extra[0]}: a resumed run keeps its saved config; "
                             f"give only --resume DIR (and --address, --quiet, or a lower step size: --lr, -p "

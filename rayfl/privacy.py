@@ -84,10 +84,8 @@ def check_config(cfg, algo) -> None:
         if getattr(cfg, name) not in allowed:
             raise ValueError(f"{name}={getattr(cfg, name)!r}: unknown; allowed: {', '.join(allowed)}")
     if not cfg.dp_noise > 0:
-        from rayfl.config import Config
-
         for name in ("dp_clip", "dp_delta", "dp_level", "dp_accountant"):  # a DP knob set for a run without DP
-            if getattr(cfg, name) != getattr(Config, name):
+            if getattr(cfg, name) != getattr(type(cfg), name):  # the config class's default
                 raise ValueError(f"{name}={getattr(cfg, name)!r}: differential privacy is off (dp_noise=0); give "
                                  f"dp_noise > 0 (--dp-noise) to turn it on, or leave {name} at its default")
         return

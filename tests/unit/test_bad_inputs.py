@@ -309,8 +309,8 @@ CASES = [
     ("resume_missing_dir", ["run", "--resume", "{t}/nowhere"], "--resume '{t}/nowhere': no config.yaml there"),
     ("resume_bad_saved_config", ["run", "--resume", "{t}/run_bad_cfg"],
      "--resume '{t}/run_bad_cfg': its config.yaml: lr=nan: must be a finite number"),
-    ("resume_with_flags", ["run", "--resume", "{t}/run_no_ckpt", "--lr", "0.1"],
-     "--resume '{t}/run_no_ckpt' with --lr: a resumed run keeps its saved config"),
+    ("resume_with_flags", ["run", "--resume", "{t}/run_no_ckpt", "--batch-size", "8"],
+     "--resume '{t}/run_no_ckpt' with --batch-size: a resumed run keeps its saved config"),
     ("resume_with_param", ["run", "--resume", "{t}/run_no_ckpt", "-p", "M=3"], "with --param: a resumed run keeps"),
     # --- tune: sweep flags
     ("tune_metric_unknown", tune("--metric", "val_accuracy"), "--metric val_accuracy: unknown for a classification task"),
