@@ -290,7 +290,7 @@ def sync(run_dir: str, tracking_uri: str | None = None) -> dict:
     ``tracking_wait`` to the same MLflow run (at ``tracking_uri``, default the one the run used), as
     ``rayfl sync`` does; returns the counts sent. A second call sends nothing. A sweep's or a comparison's
     directory syncs each of its runs that kept records: the counts by run directory."""
-    from rayfl.tracking_outbox import sync as deliver
+    from rayfl.tracking.outbox import sync as deliver
 
     return deliver(run_dir, tracking_uri)
 

@@ -163,7 +163,7 @@ def cmd_run(args) -> int:
 
 def cmd_sync(args) -> int:
     """``rayfl sync RUN_DIR``: what a run kept for an unreachable tracking server, to its MLflow run."""
-    from rayfl.tracking_outbox import sync
+    from rayfl.tracking.outbox import sync
 
     try:
         sync(args.run_dir, args.tracking_uri, say=print)

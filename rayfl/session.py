@@ -2,7 +2,7 @@
 
 Starting or attaching Ray (a private loopback instance with its own token, or a given cluster, probed first so
 that a wrong ``--address`` is one line within seconds), shutting it down with the environment restored, the
-checks on a tracking store made on a cluster (those made here are :mod:`rayfl.tracking_store`'s), and a run
+checks on a tracking store made on a cluster (those made here are :mod:`rayfl.tracking.store`'s), and a run
 directory's layout (``config.yaml`` beside
 its checkpoints, what ``--resume`` reads back).
 """
@@ -19,7 +19,7 @@ from typing import Callable
 from rayfl import ray_compat
 from rayfl.config import UserError, check_value, make_config, read_yaml, shown
 from rayfl.progress import stderr_into
-from rayfl.tracking_store import (CONNECT_TIMEOUT_S, check_tracking_store,  # noqa: F401 - re-exported
+from rayfl.tracking.store import (CONNECT_TIMEOUT_S, check_tracking_store,  # noqa: F401 - re-exported
                                   tracking_server_problem, unreachable)
 
 Progress = Callable[[dict], None]

@@ -325,17 +325,17 @@ def compare(algos: Sequence[str] | None = None, seeds: Sequence[int] = (0, 1, 2)
         raise
     out_dir = new_dir(os.path.join(parent_dir or base.out_dir, "compare"), name)
 
-    from mlflow import MlflowClient
+    from rayfl.tracking import ParentRun
 
-    client = MlflowClient(uri)
     provenance = origin(command)
-    parent = client.create_run(exp_id, run_name=name, tags={**provenance, "rayfl.role": "compare",
-                                                             "rayfl.compare_preset": preset or ""}).info.run_id
     shared = {k: v for k, v in base.to_flat().items() if k not in ("algo", "seed", "run_name")
               and not k.startswith("param.")}
-    for k, v in {**shared, "compare_algos": ",".join(order), "compare_seeds": ",".join(map(str, seeds)),
-                 "compare_preset": preset or "", "compare_runtime": runtime}.items():
-        client.log_param(parent, k, "" if v is None else v)
+    params = {**shared, "compare_algos": ",".join(order), "compare_seeds": ",".join(map(str, seeds)),
+              "compare_preset": preset or "", "compare_runtime": runtime}
+    parent_run = ParentRun.create(uri, exp_id, name, {**provenance, "rayfl.role": "compare",
+                                                      "rayfl.compare_preset": preset or ""},
+                                  {k: "" if v is None else v for k, v in params.items()})
+    parent = parent_run.run_id
 
     say = progress if callable(progress) else (lambda line: print(line, flush=True)) if progress else None
     total, t_start, finished = len(prepared), time.perf_counter(), []
@@ -412,7 +412,7 @@ def compare(algos: Sequence[str] | None = None, seeds: Sequence[int] = (0, 1, 2)
             for p in prepared:
                 rows.extend(one(p))
     except BaseException:
-        client.set_terminated(parent, "FAILED")
+        parent_run.end("FAILED")
         raise
     finally:
         if started_ray:
@@ -433,7 +433,7 @@ def compare(algos: Sequence[str] | None = None, seeds: Sequence[int] = (0, 1, 2)
     title = (f"{preset + ': ' if preset else ''}{base.dataset} ({base.partition}), {base.clients} clients, "
              f"{base.rounds} rounds: final round, mean ± std over {len(seeds)} seeds")
     _write_tables(out_dir, runs, table, text, preset)  # kept here whatever the tracking server does
-    from rayfl.tracking_outbox import answers, kept_line, server_address, sync_run
+    from rayfl.tracking.outbox import answers, kept_line, server_address, sync_run
 
     box = _parent_records(out_dir, parent, uri, runs, table, text, preset, agreement, provenance["rayfl.command"],
                           title)
@@ -500,10 +500,8 @@ def _parent_records(out_dir: str, run_id: str, uri: str, runs: pd.DataFrame, tab
     else by ``rayfl sync``): table (CSV, Markdown), per-run rows, bar chart and one metric per row x column;
     its description (the run's Overview) is the table itself, with the setting and the command."""
     import matplotlib.pyplot as plt
-    from mlflow.entities import Metric
 
-    from rayfl.tracking import numeric
-    from rayfl.tracking_outbox import Outbox, outbox_dir
+    from rayfl.tracking import Outbox, metrics_record, numeric, outbox_dir
 
     metrics = {}
     for _, r in table.iterrows():
@@ -524,5 +522,5 @@ def _parent_records(out_dir: str, run_id: str, uri: str, runs: pd.DataFrame, tab
     # the table first: MLflow's Overview shows a description's first lines and folds the rest under "Show more"
     about = PRESETS[preset].what + f" Paper: {PRESETS[preset].paper_source}." if preset else ""
     note = text + (f"\n\n{about}" if about else "") + (f"\n\n```\n{command}\n```\n" if command else "\n")
-    box.spill([("metrics", [Metric(k, v, now, 0) for k, v in metrics.items()]), ("tags", [("mlflow.note.content", note)])])
+    box.spill([metrics_record(metrics, 0, now), ("tags", [("mlflow.note.content", note)])])
     return box.dir

@@ -192,14 +192,6 @@ def sweep_markdown(meta: dict, df, best: dict, best_run: tuple[str, str] | None 
     return "\n".join(lines) + "\n"
 
 
-def _parent_run(meta: dict):
-    import mlflow
-    from mlflow import MlflowClient
-
-    mlflow.set_tracking_uri(meta["tracking_uri"])
-    return MlflowClient(meta["tracking_uri"])
-
-
 def cmd_tune(args) -> int:
     """``rayfl tune``: the parsed flags as :class:`SweepSettings`, run by :func:`run_sweep` (as :func:`rayfl.tune`
     runs them). 1: no trial reported the metric (the sweep has said so); 130: interrupted (it has said how to
@@ -380,8 +372,9 @@ def _default_concurrency(meta: dict, cluster) -> int:
 
 def _run(meta: dict, quiet: bool, resume: bool) -> int:
     import ray
-    from mlflow.entities import Param
     from ray import tune
+
+    from rayfl.tracking import ParentRun
 
     cluster = {k: float(v) for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
     if not resume:
@@ -408,7 +401,6 @@ def _run(meta: dict, quiet: bool, resume: bool) -> int:
         raise UserError(f"{meta['max_concurrent']} trials at once x {len(base_bundles)} processes each need about "
                         f"{processes * per_process / 2**30:.0f} GiB, the cluster offers {memory / 2**30:.0f} GiB: "
                         f"--max-concurrent {fit} (or raise --clients-per-actor)")
-    client = _parent_run(meta)
     if not resume:
         from rayfl.tracking import setting
 
@@ -417,21 +409,20 @@ def _run(meta: dict, quiet: bool, resume: bool) -> int:
                 "rayfl.role": "sweep", "rayfl.algo": meta["algo"], "rayfl.dataset": base_cfg.dataset,
                 "rayfl.partition": base_cfg.partition,
                 "mlflow.note.content": f"{sweep_plan(meta)}; running.\n\n{setting(base_cfg)}\n"}
-        parent = client.create_run(meta["experiment_id"], run_name=meta["name"], tags=tags)
-        meta["parent_run_id"] = parent.info.run_id
         params = {"algo": meta["algo"], "search": meta["search"], "scheduler": meta["scheduler"],
                   "metric": meta["metric"], "mode": meta["mode"], "num_samples": meta["num_samples"],
                   "n_trials": meta["n_trials"], "max_concurrent": meta["max_concurrent"],
                   "swept": ",".join(meta["swept"]), "space_file": meta["space_path"],
                   "trial_bundles": json.dumps(base_bundles), "stage_cache": meta["stage_cache"]}
-        client.log_batch(meta["parent_run_id"], params=[Param(k, str(v)) for k, v in params.items()])
-        client.log_text(meta["parent_run_id"], yaml.safe_dump(meta["space"], sort_keys=False), "space.yaml")
-        client.log_text(meta["parent_run_id"], yaml.safe_dump(meta["base"], sort_keys=False), "base_config.yaml")
+        parent = ParentRun.create(meta["tracking_uri"], meta["experiment_id"], meta["name"], tags, params)
+        meta["parent_run_id"] = parent.run_id
+        parent.log_text(yaml.safe_dump(meta["space"], sort_keys=False), "space.yaml")
+        parent.log_text(yaml.safe_dump(meta["base"], sort_keys=False), "base_config.yaml")
         os.makedirs(meta["sweep_dir"], exist_ok=True)
         with open(os.path.join(meta["sweep_dir"], SWEEP_FILE), "w") as f:
             json.dump(meta, f, indent=1, default=str)
     else:
-        client.update_run(meta["parent_run_id"], status="RUNNING")
+        parent = ParentRun.reopen(meta["tracking_uri"], meta["parent_run_id"])
     print(f"rayfl tune: {sweep_plan(meta)}; {meta['max_concurrent']} at once, each {trial_resources(base_bundles)}; "
           f"optimizing {meta['metric']} ({meta['mode']}, {meta['scheduler']})", flush=True)
     print(f"rayfl tune: sweep directory {meta['sweep_dir']} (resume with --resume {meta['sweep_dir']}); "
@@ -469,7 +460,7 @@ def _run(meta: dict, quiet: bool, resume: bool) -> int:
                                 callbacks=[progress, ledger_callback(meta["sweep_dir"], records)],
                                 # a trial whose own process died is retried, from its own checkpoint
                                 failure_config=tune.FailureConfig(max_failures=int(meta["base"].get("max_restarts", 3))))
-    from rayfl.tracking_outbox import answers, kept_line, server_address
+    from rayfl.tracking.outbox import answers, kept_line, server_address
 
     def server_answers() -> bool:  # asked once, when the trials are over (or the sweep was stopped)
         nonlocal reachable
@@ -489,7 +480,7 @@ def _run(meta: dict, quiet: bool, resume: bool) -> int:
                     reuse_actors=True),  # an in-process trial's process, imports and data cache serve the next
                 run_config=run_config)
             tuner.fit()
-        code = _finish(meta, read_records(meta["sweep_dir"], meta["swept"]), client if server_answers() else None)
+        code = _finish(meta, read_records(meta["sweep_dir"], meta["swept"]), parent if server_answers() else None)
         status = "FINISHED" if code == 0 else "FAILED"
         return code
     except KeyboardInterrupt:
@@ -498,8 +489,8 @@ def _run(meta: dict, quiet: bool, resume: bool) -> int:
         return 130
     finally:
         if server_answers():
-            _close_children(client, meta)
-            client.set_terminated(meta["parent_run_id"], status)
+            _close_children(parent, meta)
+            parent.end(status)
         else:  # gone: the parent run is left as it is; the results are in the sweep directory
             print(f"rayfl: warning: the tracking server at {meta['tracking_uri']} did not answer; the sweep's parent "
                   f"run {meta['parent_run_id']} was not updated; the results are in "
@@ -509,24 +500,20 @@ def _run(meta: dict, quiet: bool, resume: bool) -> int:
             print(line, file=sys.stderr)
 
 
-def _close_children(client, meta: dict) -> None:
+def _close_children(parent, meta: dict) -> None:
     """Child runs of trials the scheduler stopped early end as FAILED (their actors went with the trial's
     placement group) and those of an interrupted sweep stay RUNNING: mark both KILLED, and say why."""
     try:
-        runs = client.search_runs([meta["experiment_id"]],
-                                  filter_string=f"tags.mlflow.parentRunId = '{meta['parent_run_id']}'",
-                                  max_results=10_000)
+        runs = parent.children(meta["experiment_id"])
     except Exception:  # noqa: BLE001 - tidying must not hide the real outcome
         return
     stopped = set(meta.get("stopped_trials", ()))
-    for run in runs:
-        trial = run.data.params.get("tune_trial_id")
-        if trial in stopped and run.info.status in ("FAILED", "RUNNING"):
-            client.set_tag(run.info.run_id, "rayfl.stopped", f"early, by the {meta['scheduler']} scheduler")
-            client.set_terminated(run.info.run_id, "KILLED")
-        elif run.info.status == "RUNNING":
-            client.set_tag(run.info.run_id, "rayfl.stopped", "sweep interrupted (see --resume)")
-            client.set_terminated(run.info.run_id, "KILLED")
+    for run_id, params, status in runs:
+        trial = params.get("tune_trial_id")
+        if trial in stopped and status in ("FAILED", "RUNNING"):
+            parent.stop_child(run_id, f"early, by the {meta['scheduler']} scheduler")
+        elif status == "RUNNING":
+            parent.stop_child(run_id, "sweep interrupted (see --resume)")
 
 
 def results_table(records: dict, meta: dict):
@@ -562,9 +549,9 @@ def best_record(records: dict, meta: dict) -> dict | None:
     return max(scored, key=lambda rec: sign * rec["result"][metric]) if scored else None
 
 
-def _finish(meta: dict, records: dict, client) -> int:
-    """The results table printed (and in the sweep directory); the parent run gets it, its plots and the best
-    trial, unless ``client`` is None (its tracking server did not answer)."""
+def _finish(meta: dict, records: dict, parent) -> int:
+    """The results table printed (and in the sweep directory); the parent run (a :class:`rayfl.tracking.ParentRun`)
+    gets it, its plots and the best trial, unless ``parent`` is None (its tracking server did not answer)."""
     df = results_table(records, meta)
     meta["stopped_trials"] = list(df.trial[df.status == "STOPPED"]) if len(df) else []
     run_id, metric = meta["parent_run_id"], meta["metric"]
@@ -578,8 +565,8 @@ def _finish(meta: dict, records: dict, client) -> int:
         shown = df.drop(columns=["mlflow_run_id"], errors="ignore")
         print(shown.to_string(index=False, float_format=lambda v: f"{v:.4f}"))
     best = best_record(records, meta)
-    if client is not None:
-        _log_parent(client, meta, df, path, best)
+    if parent is not None:
+        _log_parent(parent, meta, df, path, best)
     if best is None:
         print(f"\nrayfl tune: no trial reported {metric}; {errors} trial(s) failed", file=sys.stderr)
         return 1
@@ -588,7 +575,7 @@ def _finish(meta: dict, records: dict, client) -> int:
     print(f"\nbest ({metric} {best_metrics[metric]:.4f}, final round): "
           + ", ".join(f"{k}={v}" for k, v in chosen.items()))
     print(summary_table(best_metrics))
-    if client is not None:
+    if parent is not None:
         print(f"\nMLflow: parent run {run_id} in experiment {meta['experiment']!r} at {meta['tracking_uri']}, "
               f"{len(df)} child run(s)")
         from rayfl.progress import mlflow_hint
@@ -599,39 +586,39 @@ def _finish(meta: dict, records: dict, client) -> int:
     return 0
 
 
-def _log_parent(client, meta: dict, df, results_csv: str, best: dict | None) -> None:
+def _log_parent(parent, meta: dict, df, results_csv: str, best: dict | None) -> None:
     """The sweep's parent run: the results table, the metric against each knob, the best trial."""
     import pandas as pd
 
     from rayfl.plots import grid_heatmap, metric_vs_knob
 
-    run_id, metric = meta["parent_run_id"], meta["metric"]
-    client.log_artifact(run_id, results_csv, "results")
+    metric = meta["metric"]
+    parent.log_artifact(results_csv, "results")
     if metric in df:
         for knob in meta["swept"]:
             sub = df[[knob, metric]].dropna()
             if len(sub):
                 if not all(isinstance(v, (int, float)) for v in sub[knob]):
                     sub = sub.assign(**{knob: sub[knob].map(str)})
-                client.log_figure(run_id, metric_vs_knob(sub, knob, metric), f"plots/{metric}_vs_{knob}.png")
+                parent.log_figure(metric_vs_knob(sub, knob, metric), f"plots/{metric}_vs_{knob}.png")
         numeric_knobs = [k for k in meta["swept"] if k in df and pd.api.types.is_numeric_dtype(df[k])]
         on_grid = set(meta["swept"]) <= set(meta["space"]["grid"]) and meta["search"] == "grid"
         if len(meta["swept"]) == len(numeric_knobs) == 2 and on_grid and df[metric].notna().any():
             y, x = meta["swept"]  # the first knob down the rows (PersFL: λ rows, T columns)
-            client.log_figure(run_id, grid_heatmap(df, x, y, metric, meta["mode"]), f"plots/{metric}_{y}_x_{x}.png")
+            parent.log_figure(grid_heatmap(df, x, y, metric, meta["mode"]), f"plots/{metric}_{y}_x_{x}.png")
     if best is None:
         return
     best_metrics = best["result"]
     chosen = {k: best["config"].get(k) for k in meta["swept"]}
-    client.log_dict(run_id, {"best": chosen, metric: best_metrics[metric],
+    parent.log_dict({"best": chosen, metric: best_metrics[metric],
                              "mlflow_run_id": best_metrics.get("mlflow_run_id")}, "best.json")
-    client.log_metric(run_id, f"best_{metric}", float(best_metrics[metric]))
+    parent.log_metric(f"best_{metric}", float(best_metrics[metric]))
     for k, v in chosen.items():
-        client.set_tag(run_id, f"best.{k}", str(v))
+        parent.set_tag(f"best.{k}", str(v))
     best_run = best_metrics.get("mlflow_run_id")
     try:
-        best_run = (best_run, client.get_run(best_run).info.run_name) if best_run else None
+        best_run = (best_run, parent.run_name(best_run)) if best_run else None
     except Exception:  # noqa: BLE001 - the description links it when it can
         best_run = None
-    client.set_tag(run_id, "mlflow.note.content",
+    parent.set_tag("mlflow.note.content",
                    sweep_markdown(meta, df, {**chosen, metric: best_metrics[metric]}, best_run))
