@@ -26,7 +26,7 @@ from rayfl.sweep.placement import _bundles_for, _pg_factory, bundle_total
 from rayfl.sweep.progress import _progress_callback
 from rayfl.sweep.search import _search_alg, _search_space, selectable_metrics
 from rayfl.sweep.space import MAX_TRIALS, Plan, Space, find_space_file, load_space, plan_sweep, validate_space
-from rayfl.sweep.trial import run_trial
+from rayfl.sweep.trial import TrialContext, run_trial
 
 SWEEP_FILE = "rayfl_sweep.json"
 
@@ -358,11 +358,13 @@ def _run(meta: dict, quiet: bool, resume: bool, session: Session) -> int:
         search_alg = _search_alg(meta["search"], meta["seed"], meta["max_concurrent"], meta["metric"], meta["mode"])
         num_samples, param_space = meta["num_samples"], _search_space(plan, meta["search"])
 
-    ctx = {k: meta.get(k) for k in ("base", "name", "metric", "swept", "tracking_uri", "experiment_id",
-                                 "parent_run_id", "stage_cache", "sweep_dir", "provenance")}
     from rayfl.plugins import carried
 
-    ctx["plugins"] = carried()  # registered in each trial's process as its ctx arrives (a plugin's algorithm)
+    ctx = TrialContext(base=meta["base"], name=meta["name"], metric=meta["metric"], swept=list(meta["swept"]),
+                       tracking=session.tracking, experiment_id=meta["experiment_id"],
+                       parent_run_id=meta["parent_run_id"], sweep_dir=meta["sweep_dir"],
+                       stage_cache=meta.get("stage_cache") or "", provenance=meta.get("provenance") or {},
+                       plugins=carried())  # registered in each trial's process as its ctx arrives
     trainable = tune.with_resources(tune.with_parameters(run_trial, ctx=ctx),
                                     functools.partial(_pg_factory, base=meta["base"], share=share))
     progress = _progress_callback(meta["metric"], meta["swept"], quiet, meta["n_trials"], already=kept)
