@@ -1,7 +1,8 @@
 """DriverActor: runs the shared round loop with the clients in client actors, and tracks the run.
 
 It answers ``poll`` while ``run`` works (two concurrent calls), so that whoever submitted the run, the
-CLI or a Tune trial, sees each round as it ends, and the MLflow run it writes to. When a driver dies, the
+CLI or a Tune trial, sees each round as it ends, and the MLflow run it writes to (returned by a poll before
+the first round starts). When a driver dies, the
 submitter starts another (``actors.launch``) with ``resume``: the MLflow run to reopen. The new driver goes
 on from the last checkpoint and logs the rounds since again (its predecessor's writer may not have written
 them); the submitter shows each round once.
@@ -16,6 +17,9 @@ import time
 import ray
 
 from rayfl.loop import Callback, round_event
+
+
+RUN_ID_WAIT = 10.0  # seconds the first round waits for the submitter to have polled the MLflow run id
 
 
 class RoundQueue(Callback):
@@ -98,6 +102,7 @@ class DriverActor:
         self.queue = RoundQueue()
         self.loop = None
         self.tracker = None
+        self._run_told = threading.Event()  # a poll has returned the run id
 
     def run(self, actors: list) -> dict:
         """The whole run over the client actors ``actors`` (started by the submitter right after this driver)."""
@@ -109,9 +114,11 @@ class DriverActor:
         from rayfl.tracking import MlflowTracker
 
         self.prepared = self.sealed.open()  # UserError: a module of a plugin missing on this node
-        tracker = self.tracker = (MlflowTracker(**self.tracking, run_id=self.resume.get("run_id"))
+        reopen = {"run_id": self.resume["run_id"]} if self.resume.get("run_id") else {}
+        tracker = self.tracker = (MlflowTracker(**{**self.tracking, **reopen})
                                   if self.tracking is not None else None)  # None: benchmarks
         if tracker:
+            tracker.on_run = self._told_run
             tracker.open()  # MLflow opens in the background, while the client actors start
         runtime = RayRuntime(self.prepared, actors, self.resources, self.wait_for_room)
         runtime.notify = self.queue.push
@@ -127,9 +134,17 @@ class DriverActor:
         self.loop = Loop(self.prepared, runtime, callbacks, self.checkpoint_dir)
         return execute(self.loop, tracker)
 
+    def _told_run(self, run_id: str) -> None:
+        """The tracker's run exists: no round starts before a poll has returned its id to the submitter (which
+        closes the run, or has a restarted driver go on in it, should this driver die), or RUN_ID_WAIT passed."""
+        self._run_told.wait(RUN_ID_WAIT)
+
     def poll(self) -> dict:
         """Rounds (and client restarts) since the last poll, and the MLflow run id once the run has one."""
-        return {"records": self.queue.drain(), "run_id": self.tracker.run_id if self.tracker else None}
+        run_id = self.tracker.run_id if self.tracker else None
+        if run_id:
+            self._run_told.set()
+        return {"records": self.queue.drain(), "run_id": run_id}
 
     def stop(self) -> None:
         """Ask the loop to end before its next round (the run is closed as KILLED, checkpoints kept)."""

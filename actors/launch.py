@@ -70,9 +70,13 @@ def launch(prepared, tracking: dict | None, checkpoint_dir: str | None = None,
     ds = prepared.dataset
     x_ref, y_ref = ray.put(ds.x), ray.put(ds.y)
     light = dataclasses.replace(prepared, dataset=dataclasses.replace(ds, x=None, y=None))
-    seen = {"run_id": None, "step": -1, "since": time.time(), "tracking": tracking}
+    from rayfl.tracking import record_run_id, resumed_tracking
+
+    tracking = resumed_tracking(tracking, checkpoint_dir)  # a checkpoint to go on from: its MLflow run too
+    seen = {"run_id": (tracking or {}).get("run_id"), "step": -1, "tracking": tracking,
+            "record": lambda run_id: record_run_id(checkpoint_dir, run_id)}  # for --resume
     for attempt in range(cfg.max_restarts + 1):
-        resume = {"run_id": _run_id(seen, checkpoint_dir)} if attempt else None
+        resume = {"run_id": seen["run_id"]} if attempt else None
         # the driver and the client actors start side by side (each is a process that imports torch); the
         # driver first: its MLflow work is the longest path to the first round
         driver = DriverActor.options(num_cpus=DRIVER_CPUS, **(driver_options or {})).remote(
@@ -103,11 +107,15 @@ def launch(prepared, tracking: dict | None, checkpoint_dir: str | None = None,
             for actor in [driver, *actors]:
                 ray.kill(actor)
             del kept  # held until here: a client actor that Ray re-creates is built from them again
-        if attempt:
-            _tag_restarts(tracking, result["run_id"], attempt)
+        if attempt and tracking and result["run_id"]:
+            from rayfl.tracking import tag_driver_restarts
+
+            tag_driver_restarts(tracking["tracking_uri"], result["run_id"], attempt)
         return result
-    run_id = _run_id(seen, checkpoint_dir)
-    _close_failed(tracking, run_id, attempt)
+    if tracking and seen["run_id"]:  # a driver that died cannot close its MLflow run: it is closed here
+        from rayfl.tracking import close_failed
+
+        close_failed(tracking["tracking_uri"], seen["run_id"], attempt)
     raise DriverLost(f"the driver actor died {cfg.max_restarts + 1} times (max_restarts={cfg.max_restarts}); "
                      f"last: {_first_line(lost)}") from lost
 
@@ -160,6 +168,8 @@ def _follow(driver, actors: list, seen: dict, on_round, on_event, poll_seconds: 
                 raise NoCapacity(f"the driver actor did not answer for {silence_seconds:g}s (capacity_wait plus "
                                  f"{DRIVER_START_SECONDS}s to start): no room for it on the cluster?")
             polled = ray.get(asked)
+            if polled["run_id"] and polled["run_id"] != seen["run_id"]:
+                seen["record"](polled["run_id"])
             seen["run_id"] = polled["run_id"] or seen["run_id"]
             for rec in polled["records"]:
                 seen["driver_node"] = rec.get("driver_node") or seen.get("driver_node")
@@ -205,37 +215,6 @@ def _stop(driver, done, grace: float) -> bool:
         return bool(ready)
     except ray.exceptions.RayError:
         return True
-
-
-def _run_id(seen: dict, checkpoint_dir: str | None) -> str | None:
-    """The MLflow run the dead driver wrote to: as polled, else as it recorded in the checkpoint directory
-    (a driver can die before its first poll)."""
-    if seen["run_id"] or not checkpoint_dir:
-        return seen["run_id"]
-    path = os.path.join(checkpoint_dir, "mlflow_run_id")
-    if os.path.isfile(path) and os.path.getmtime(path) >= seen["since"]:
-        with open(path) as f:
-            return f.read().strip() or None
-    return None
-
-
-def _tag_restarts(tracking: dict | None, run_id: str | None, n: int) -> None:
-    from mlflow.tracking import MlflowClient
-
-    if tracking and run_id:
-        MlflowClient(tracking["tracking_uri"]).set_tag(run_id, "rayfl.driver_restarts", str(n))
-
-
-def _close_failed(tracking: dict | None, run_id: str | None, restarts: int) -> None:
-    """A driver that died cannot close its MLflow run: do it here, so that no run stays RUNNING."""
-    from mlflow.tracking import MlflowClient
-
-    if not tracking or not run_id:
-        return
-    client = MlflowClient(tracking["tracking_uri"])
-    client.set_tag(run_id, "rayfl.driver_restarts", str(restarts))
-    if client.get_run(run_id).info.status == "RUNNING":
-        client.set_terminated(run_id, "FAILED")
 
 
 def _first_line(e: BaseException) -> str:

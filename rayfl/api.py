@@ -1,8 +1,9 @@
 """The Python API: :func:`run` one experiment, :func:`tune` a sweep.
 
-The ``rayfl`` command parses its flags and calls the same typed entry points: :func:`run_config` for a run,
-:func:`rayfl.sweep.command.run_sweep` for a sweep (as :func:`tune` does), :func:`rayfl.comparison.run.compare`
-for a comparison; the Ray session and run directories are :mod:`rayfl.session`'s.
+The ``rayfl`` command parses its flags into the same typed requests (:mod:`rayfl.specs`) and runs them as this
+module does: :func:`run_spec` for a run, :func:`rayfl.sweep.command.run_sweep` for a sweep,
+:func:`rayfl.comparison.run.compare_spec` for a comparison; each goes through one :class:`rayfl.session.Session`
+(Ray, run directories, the tracking store, parent runs).
 
 Settings are the config keys of ``rayfl run --help`` as keyword arguments (``clients=10``), algorithm
 knobs in ``params``; a YAML file or a dict may give a base (``config=``) that keywords override. A mistake
@@ -20,10 +21,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from rayfl.config import FIELDS, Config, UserError, check_value, did_you_mean, make_config, shown
+from rayfl.config import FIELDS, Config, UserError, check_keys, check_value, make_config, shown
 from rayfl.config_help import GROUPS
 from rayfl.progress import ConsoleProgress, RoundClock, ui_url
-from rayfl.session import check_address, check_threads_here, check_tracking_on_cluster, check_tracking_store, load_run_dir, make_run_dir, shutdown_ray, start_ray
+from rayfl.session import Session, check_address, load_run_dir
+from rayfl.specs import SWEEP_DEFAULTS, RunSpec, SweepOptions, SweepSpec, TrackingSpec, check_resume
 
 Progress = Callable[[dict], None]
 
@@ -169,14 +171,6 @@ def make_run_config(config: str | dict | Config | None = None, **values) -> Conf
     return make_config(file, overrides)
 
 
-def check_keys(values: dict) -> None:
-    """Every key a config key: a mistyped one is refused, with the nearest key named."""
-    unknown = sorted(str(k) for k in set(values) - set(FIELDS))
-    if unknown:
-        raise UserError(f"unknown config key {unknown[0]!r}{did_you_mean(unknown[0], FIELDS)}; allowed: "
-                        f"{', '.join(FIELDS)}")
-
-
 def _progress(progress: bool | Progress | None) -> Progress:
     if callable(progress):
         return progress
@@ -206,87 +200,66 @@ def run(config: str | dict | Config | None = None, *, resume: str | None = None,
     command = api_call("run", {**({"config": config} if config is not None else {}),
                                **({"resume": resume} if resume else {}),
                                **({"plugins": plugins} if plugins else {}), **values})
-    if resume is not None and not isinstance(resume, (str, os.PathLike)):
-        raise UserError(f"resume={shown(resume)}: must be a run directory (a path)")
-    if resume is not None and not os.fspath(resume).strip():
-        raise UserError(f"resume={shown(resume)}: empty path; give a run directory")
-    steps: dict = {}
-    if resume:
-        resume = os.fspath(resume)
-        other = [k for k in values if k not in ("lr", "params")]
-        if config is not None or other:
-            raise UserError(f"resume={shown(resume)}: a resumed run uses its own config.yaml; pass no other "
-                            f"settings than a lower step size (lr=, params={{'NAME_lr': ...}})")
-        steps, cfg = values, None
-    else:
-        cfg = make_run_config(config, **values)
-    return run_config(cfg, resume=resume, address=address, progress=_progress(progress), command=command,
-                      step_sizes=steps)
+    given = [*(["config"] if config is not None else []), *values]
+    resume = check_resume(resume, given, "run", "api")
+    spec = RunSpec(None if resume else make_run_config(config, **values), resume, address, command,
+                   step_sizes=values if resume else {})
+    return run_spec(spec, progress=_progress(progress))
 
 
-def run_config(cfg: Config | None, *, resume: str | None = None, address: str | None = None,
-               progress: Progress = lambda e: None, command: str | None = None,
-               step_sizes: dict | None = None) -> RunResult:
-    """:func:`run` for a built Config (``None`` with ``resume``, whose step sizes ``step_sizes`` may lower):
-    checks, Ray, the run, the result."""
+def run_spec(spec: RunSpec, progress: Progress = lambda e: None) -> RunResult:
+    """A :class:`rayfl.specs.RunSpec`, as :func:`run` and ``rayfl run`` ask for it: checks, Ray, the run, the
+    result."""
     from rayfl.data.report import PartitionReport
     from rayfl.experiment import prepare
     from rayfl.provenance import origin
-    from rayfl.tracking import client_table, final_summary, resolve_tracking_uri
+    from rayfl.tracking import client_table, final_summary
 
-    check_address(address)
-    if resume:
-        cfg = load_run_dir(resume, step_sizes)
+    resume = spec.resume
+    check_address(spec.address)
+    cfg = load_run_dir(resume, spec.step_sizes) if resume else spec.config
     prepared = prepare(cfg)  # every user mistake surfaces here, before Ray starts
     if resume:  # and a checkpoint edited or cut short, against a fresh run of its config
         from rayfl.resume import check_checkpoint
 
         check_checkpoint(resume, prepared)
-    uri = resolve_tracking_uri(cfg.tracking_uri)
-    if not (address or os.environ.get("RAY_ADDRESS")):  # a private instance on this machine:
-        from rayfl.actors.resources import preflight
+    tracking = TrackingSpec.of(cfg)
+    with Session(spec.address, tracking, progress) as session:
+        if not session.on_cluster:  # a private instance on this machine:
+            from rayfl.actors.resources import preflight
 
-        check_threads_here(cfg.torch_threads, address)
-        preflight(cfg)  # a request it cannot hold is refused now
-        check_tracking_store(uri, cfg.experiment)  # and a tracking store its driver could not open
-    data = re.sub(r"[^\w.-]+", "_", os.path.basename(cfg.dataset.rstrip("/")))  # npz:/a/b.npz: b.npz
-    run_name = cfg.run_name or f"{cfg.algo}-{data}-{cfg.partition}-s{cfg.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir = os.path.abspath(resume) if resume else make_run_dir(cfg, run_name, uri)
-    report = PartitionReport.of(prepared)
-    progress({"event": "plan", "cfg": cfg, "prepared": prepared, "run_dir": run_dir, "tracking_uri": uri,
-              "run_name": run_name, "partition": report})
+            session.check_here(cfg.torch_threads)
+            preflight(cfg)  # a request it cannot hold is refused now
+            session.check_store()  # and a tracking store its driver could not open
+        data = re.sub(r"[^\w.-]+", "_", os.path.basename(cfg.dataset.rstrip("/")))  # npz:/a/b.npz: b.npz
+        run_name = cfg.run_name or f"{cfg.algo}-{data}-{cfg.partition}-s{cfg.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+        run_dir = os.path.abspath(resume) if resume else session.run_dir(cfg, run_name)
+        report = PartitionReport.of(prepared)
+        progress({"event": "plan", "cfg": cfg, "prepared": prepared, "run_dir": run_dir, "tracking_uri": tracking.uri,
+                  "run_name": run_name, "partition": report})
+        session.start_ray()
+        clock, walls = RoundClock(), {}
 
-    started = start_ray(address, progress)
-    clock, walls = RoundClock(), {}
+        def on_event(event: dict) -> None:
+            if event["event"] in ("start", "setup"):
+                clock.mark(event["time"])
+            progress(event)
 
-    def on_event(event: dict) -> None:
-        if event["event"] in ("start", "setup"):
-            clock.mark(event["time"])
-        progress(event)
+        def on_round(rec: dict) -> None:
+            walls[rec["step"]] = clock.round(rec)[0]
+            progress({"event": "round", **rec})
 
-    def on_round(rec: dict) -> None:
-        walls[rec["step"]] = clock.round(rec)[0]
-        progress({"event": "round", **rec})
-
-    # the driver opens the experiment (created if missing) while its client actors start: this process never
-    # imports MLflow (1.3 s) nor opens the store (1.3-2.6 s) before Ray starts
-    tracking = {"tracking_uri": uri, "experiment": cfg.experiment, "run_name": run_name, "tags": origin(command),
-                "partition": report.to_dict()}
-    try:
+        # the driver opens the experiment (created if missing) while its client actors start: this process never
+        # imports MLflow (1.3 s) nor opens the store (1.3-2.6 s) before Ray starts
         from rayfl.actors.launch import launch
 
-        if address or os.environ.get("RAY_ADDRESS"):  # the driver opens the store on the cluster: ask there
-            from rayfl.multinode import check_store
-
-            check_store(uri)  # a file one machine holds: refused on several
-            check_tracking_on_cluster(uri, cfg.experiment)
-        out = launch(prepared, tracking, checkpoint_dir=run_dir, on_round=on_round, on_event=on_event,
-                     cluster_may_grow=bool(address or os.environ.get("RAY_ADDRESS")))
-    finally:
-        if started:
-            shutdown_ray()
+        if session.on_cluster:  # the driver opens the store on the cluster: ask there
+            session.check_store_shared()  # a file one machine holds: refused on several
+            session.check_store_on_cluster()
+        out = launch(prepared, tracking.for_run(run_name, tags=origin(spec.command), partition=report.to_dict()),
+                     checkpoint_dir=run_dir, on_round=on_round, on_event=on_event, cluster_may_grow=session.on_cluster)
     result = RunResult(final_summary(out["final"]), _history(out["history"], walls),
-                       client_table(out["per_client"], prepared.info), out["run_id"], run_dir, uri,
+                       client_table(out["per_client"], prepared.info), out["run_id"], run_dir, tracking.uri,
                        out["experiment_id"], cfg, out.get("tracking_unsent"))
     progress({"event": "done", "result": result})
     return result
@@ -297,7 +270,7 @@ def sync(run_dir: str, tracking_uri: str | None = None) -> dict:
     ``tracking_wait`` to the same MLflow run (at ``tracking_uri``, default the one the run used), as
     ``rayfl sync`` does; returns the counts sent. A second call sends nothing. A sweep's or a comparison's
     directory syncs each of its runs that kept records: the counts by run directory."""
-    from rayfl.tracking_outbox import sync as deliver
+    from rayfl.tracking.outbox import sync as deliver
 
     return deliver(run_dir, tracking_uri)
 
@@ -317,68 +290,40 @@ def _history(rows: list[dict], walls: dict[int, float]):
 # --------------------------------------------------------------------------------------------------
 # tune
 # --------------------------------------------------------------------------------------------------
-SWEEP_DEFAULTS = {"space": None, "search": "grid", "num_samples": None, "max_concurrent": None,
-                  "scheduler": "fifo", "grace_period": None, "metric": None, "mode": None, "name": None,
-                  "storage_path": None}
-
-
-def tune(config: str | dict | Config | None = None, *, space: str | dict | None = None, search: str = "grid",
-         num_samples: int | None = None, max_concurrent: int | None = None, scheduler: str = "fifo",
-         grace_period: int | None = None, metric: str | None = None, mode: str | None = None,
-         name: str | None = None, storage_path: str | None = None, resume: str | None = None,
-         stage_reuse: bool = True, address: str | None = None, progress: bool = True,
+def tune(config: str | dict | Config | None = None, *, space: str | dict | None = SweepOptions.space,
+         search: str = SweepOptions.search, num_samples: int | None = SweepOptions.num_samples,
+         max_concurrent: int | None = SweepOptions.max_concurrent, scheduler: str = SweepOptions.scheduler,
+         grace_period: int | None = SweepOptions.grace_period, metric: str | None = SweepOptions.metric,
+         mode: str | None = SweepOptions.mode, name: str | None = SweepOptions.name,
+         storage_path: str | None = SweepOptions.storage_path, resume: str | None = None,
+         stage_reuse: bool = SweepOptions.stage_reuse, address: str | None = None, progress: bool = True,
          plugins: list[str] | None = None, **values) -> SweepResult:
     """Sweep an algorithm's knobs with Ray Tune, as ``rayfl tune`` does; returns a :class:`SweepResult`.
 
     ``space``: a space file, a dict with ``fixed`` / ``grid`` / ``random`` sections (as in
     ``tune_spaces/*.yaml``), or None for ``tune_spaces/<algo>.yaml``. The other sweep arguments are those of
-    ``rayfl tune --help``; config keys and ``params`` fix the rest of the experiment; ``plugins``: .py files or
-    module names to load first, as ``--plugin``."""
+    ``rayfl tune --help`` (:class:`rayfl.specs.SweepOptions`, their defaults); config keys and ``params`` fix
+    the rest of the experiment; ``plugins``: .py files or module names to load first, as ``--plugin``."""
     import pandas as pd
 
     from rayfl.plugins import as_sources, load_plugins
     from rayfl.provenance import api_call
-    from rayfl.sweep.command import (SCHEDULERS, SEARCHES, SweepSettings, best_of, check_counts, check_name,
-                                     run_sweep)
+    from rayfl.sweep.command import best_of, run_sweep
 
     load_plugins(as_sources(plugins))
-    given = {"space": space, "search": search, "num_samples": num_samples, "max_concurrent": max_concurrent,
-             "scheduler": scheduler, "grace_period": grace_period, "metric": metric, "mode": mode, "name": name,
-             "storage_path": storage_path, "resume": resume}
-    for key, value in {"config": config, **given, **values}.items():
+    options = {"space": space, "search": search, "num_samples": num_samples, "max_concurrent": max_concurrent,
+               "scheduler": scheduler, "grace_period": grace_period, "metric": metric, "mode": mode, "name": name,
+               "storage_path": storage_path, "stage_reuse": stage_reuse}
+    for key, value in {"config": config, **options, "resume": resume, **values}.items():
         check_value(key, value)  # bounded before the call is recorded (its repr) or walked
     call = api_call("tune", {**({"config": config} if config is not None else {}),
-                             **{k: v for k, v in given.items() if v != SWEEP_DEFAULTS.get(k)}, **values})
+                             **{k: v for k, v in options.items() if v != SWEEP_DEFAULTS[k]},
+                             **({"resume": resume} if resume is not None else {}), **values})
     if config is not None and not isinstance(config, (str, os.PathLike, dict, Config)):
         raise UserError(f"config={shown(config)}: expected a YAML file path, a dict or a rayfl Config")
     if isinstance(config, dict) and config.get("params") is not None and not isinstance(config["params"], dict):
         raise UserError(f"config['params']={shown(config['params'])}: must be a dict of algorithm knobs")
-    if space is not None and not isinstance(space, (str, os.PathLike, dict)):
-        raise UserError(f"space={shown(space)}: expected a space file path or a dict with fixed / grid / random "
-                        f"sections")
-    if isinstance(space, dict):
-        _check_plain("space", space)
-    if search not in SEARCHES:
-        raise UserError(f"search={search!r}: unknown; allowed: {', '.join(SEARCHES)}")
-    if scheduler not in SCHEDULERS:
-        raise UserError(f"scheduler={scheduler!r}: unknown; allowed: {', '.join(SCHEDULERS)}")
-    if mode not in (None, "max", "min"):
-        raise UserError(f"mode={mode!r}: allowed: max, min")
-    check_counts({"num_samples": num_samples, "max_concurrent": max_concurrent, "grace_period": grace_period},
-                 style="api")
-    if name is not None:
-        check_name(name, "name")
-    if metric is not None and not isinstance(metric, str):
-        raise UserError(f"metric={shown(metric)}: must be a metric name, e.g. 'val_acc_mean'")
-    for key, value in (("storage_path", storage_path), ("resume", resume)):
-        if value is not None and not isinstance(value, (str, os.PathLike)):
-            raise UserError(f"{key}={shown(value)}: must be a directory (a path)")
-    resume = os.fspath(resume) if resume is not None else None
     check_keys(values)
-    # a resume may say again where it writes (tracking_uri, stage_cache), nothing else
-    if resume and (config is not None or set(values) - {"tracking_uri", "stage_cache"} or space is not None):
-        raise UserError(f"resume={shown(resume)}: a resumed sweep uses its own settings; pass no others "
-                        f"(but tracking_uri, stage_cache)")
     params = values.pop("params", None) or {}
     if not isinstance(params, dict):
         raise UserError(f"params={params!r}: must be a dict of algorithm knobs")
@@ -390,14 +335,9 @@ def tune(config: str | dict | Config | None = None, *, space: str | dict | None 
         values = {**{k: v for k, v in config.items() if k != "params"}, **values}
     elif config is not None:
         file = os.fspath(config)
-    settings = SweepSettings(config=file, values=values, params=params, space=space, search=search,
-                             num_samples=num_samples, max_concurrent=max_concurrent, scheduler=scheduler,
-                             grace_period=grace_period, metric=metric, mode=mode, name=name,
-                             storage_path=storage_path, stage_reuse=stage_reuse, resume=resume, address=address,
-                             quiet=not progress, call=call)
-    if isinstance(space, dict):
-        settings.space, settings.name = _write_space(space, settings)
-    meta, code = run_sweep(settings)
+    spec = SweepSpec(**options, config=file, values=values, params=params, resume=resume, address=address,
+                     quiet=not progress, call=call)
+    meta, code = run_sweep(spec)
     if code == 130:
         raise KeyboardInterrupt
     path = os.path.join(meta["sweep_dir"], "results.csv")
@@ -406,34 +346,6 @@ def tune(config: str | dict | Config | None = None, *, space: str | dict | None 
         raise SweepFailed(f"sweep {meta['name']}: no trial reported {meta['metric']}; see {meta['sweep_dir']}")
     return SweepResult(table, meta["parent_run_id"], meta["sweep_dir"], best_of(table, meta),
                        meta["tracking_uri"], meta["experiment_id"], meta["metric"], meta["algo"])
-
-
-def _check_plain(name: str, value: Any) -> None:
-    """A value written as YAML (a space given as a dict): only text, numbers, booleans, null, lists and dicts."""
-    stack = [value]
-    while stack:  # bounded already by check_value
-        item = stack.pop()
-        if isinstance(item, dict):
-            stack += [*item.keys(), *item.values()]
-        elif isinstance(item, (list, tuple)):
-            stack += list(item)
-        elif item is not None and not isinstance(item, (str, int, float, bool)):
-            raise UserError(f"{name}: holds {shown(item)}, a {type(item).__name__}; a space holds text, numbers, "
-                            f"booleans, lists and dicts")
-
-
-def _write_space(space: dict, settings) -> tuple[str, str]:
-    """A space given as a dict is kept as a file beside the sweep (its record, and what resume reads)."""
-    import yaml
-
-    base = make_config(settings.config, settings.values)
-    name = settings.name if settings.name is not None else f"{base.algo}-sweep-{time.strftime('%Y%m%d-%H%M%S')}"
-    folder = os.path.abspath(os.path.join(settings.storage_path or os.path.join(base.out_dir, "tune"), "spaces"))
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, f"{name}.yaml")
-    with open(path, "w") as f:
-        yaml.safe_dump(space, f, sort_keys=False)
-    return path, name
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,9 +1,10 @@
 """The ``rayfl`` command: ``run`` one experiment, ``tune`` a sweep, ``compare`` algorithms x seeds, ``algos``.
 
 User mistakes end in one line on stderr and exit status 2, before any actor starts. This is the argparse layer
-only: each command's parsed flags go to a typed entry point (:func:`rayfl.api.run_config`,
-:func:`rayfl.sweep.command.run_sweep`, :func:`rayfl.comparison.run.compare`); the config flags are
-:mod:`rayfl.flags`'s, the Ray session :mod:`rayfl.session`'s.
+only: each command's parsed flags become a typed request (:mod:`rayfl.specs`) run by the same entry point the
+API uses (:func:`rayfl.api.run_spec`, :func:`rayfl.sweep.command.run_sweep`,
+:func:`rayfl.comparison.run.compare_spec`); the config flags are :mod:`rayfl.flags`'s, the Ray session
+:mod:`rayfl.session`'s.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import os
 import sys
 
 from rayfl.config import UserError, check_value, did_you_mean
-from rayfl.flags import add_config_arguments, config_flags_given, config_from_args, parse_params
+from rayfl.flags import (add_config_arguments, add_session_arguments, config_flags_given, config_from_args,
+                         parse_params)
 from rayfl.session import RayStartError
 from rayfl.user_input import mask_credentials
 
@@ -62,9 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     run = sub.add_parser("run", help="run one experiment", description="Run one experiment and log it to MLflow.")
     add_config_arguments(run)
-    run.add_argument("--resume", metavar="DIR", help="go on from the last checkpoint in a run directory")
-    run.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else a new local instance)")
-    run.add_argument("--quiet", action="store_true", help="no per-round progress lines")
+    add_session_arguments(run, resume="go on from the last checkpoint in a run directory")
     from rayfl.plugins import add_plugin_argument
 
     add_plugin_argument(sub.add_parser("algos", help="list algorithms, their knobs and the models"))
@@ -105,23 +105,18 @@ def cmd_algos() -> int:
 
 
 def cmd_run(args) -> int:
-    """Arguments -> config -> :func:`rayfl.api.run_config`; this prints, the API does the rest."""
-    from rayfl.api import run_config
+    """Arguments -> a :class:`rayfl.specs.RunSpec` -> :func:`rayfl.api.run_spec`; this prints, the API does the
+    rest."""
+    from rayfl.api import run_spec
     from rayfl.progress import ConsoleProgress, mlflow_hint, summary_table
+    from rayfl.specs import RunSpec, check_resume
 
-    if args.resume is not None and not args.resume.strip():
-        raise UserError(f"--resume {args.resume!r}: empty path; give a run directory")
-    steps: dict = {}
-    if args.resume:
-        steps_only = all(item.partition("=")[0].strip().endswith("lr") for item in args.param)
-        extra = [flag for flag in config_flags_given(args) if flag not in ("--lr", "--param" if steps_only else "")]
-        if extra:
-            raise UserError(f"--resume {args.resume!r} with {extra[0]}: a resumed run keeps its saved config; "
-                            f"give only --resume DIR (and --address, --quiet, or a lower step size: --lr, -p "
-                            f"NAME_lr=VALUE)")
-        steps = {**({"lr": args.lr} if getattr(args, "lr", None) is not None else {}),
-                 **({"params": parse_params(args.param)} if args.param else {})}
-    cfg = None if args.resume else config_from_args(args)
+    given = config_flags_given(args)
+    steps_only = all(item.partition("=")[0].strip().endswith("lr") for item in args.param)  # -p NAME_lr=VALUE
+    resume = check_resume(args.resume, [g for g in given if not (g == "--param" and steps_only)], "run", "flag")
+    steps = {**({"lr": args.lr} if getattr(args, "lr", None) is not None else {}),
+             **({"params": parse_params(args.param)} if args.param else {})} if resume else {}
+    spec = RunSpec(None if resume else config_from_args(args), resume, args.address, step_sizes=steps)
     console = ConsoleProgress(rounds=not args.quiet)
     plan: dict = {}
 
@@ -134,7 +129,7 @@ def cmd_run(args) -> int:
     from rayfl.loop import Loop, NoCapacity
 
     try:
-        result = run_config(cfg, resume=args.resume, address=args.address, progress=show, step_sizes=steps)
+        result = run_spec(spec, progress=show)
     except (UserError, RayStartError):
         raise
     except KeyboardInterrupt:
@@ -171,7 +166,7 @@ def cmd_run(args) -> int:
 
 def cmd_sync(args) -> int:
     """``rayfl sync RUN_DIR``: what a run kept for an unreachable tracking server, to its MLflow run."""
-    from rayfl.tracking_outbox import sync
+    from rayfl.tracking import sync
 
     try:
         sync(args.run_dir, args.tracking_uri, say=print)

@@ -314,6 +314,14 @@ NOT_RESULTS = frozenset({"out_dir", "tracking_uri", "experiment", "run_name", "c
                          "gpus_per_actor", "torch_threads", "data_root", "download"})
 
 
+def check_keys(values: Mapping[str, Any], where: str = "") -> None:
+    """Every key a config key: a mistyped one is refused, with the nearest key named (``where``: " in FILE")."""
+    unknown = sorted(str(k) for k in set(values) - set(FIELDS))
+    if unknown:
+        raise UserError(f"unknown config key {shown(unknown[0])}{did_you_mean(unknown[0], FIELDS)}{where}; allowed: "
+                        f"{', '.join(FIELDS)}")
+
+
 def make_config(file: str | None = None, overrides: Mapping[str, Any] | None = None) -> Config:
     """Defaults, then a YAML file, then explicit overrides (flags); unknown keys are user errors."""
     values: dict[str, Any] = {}
@@ -332,10 +340,7 @@ def make_config(file: str | None = None, overrides: Mapping[str, Any] | None = N
             values["params"] = {**(values.get("params") or {}), **v}
         else:
             values[k] = v
-    unknown = sorted(str(k) for k in set(values) - set(FIELDS))
-    if unknown:
-        raise UserError(f"unknown config key {shown(unknown[0])}{did_you_mean(unknown[0], FIELDS)}{where}; allowed: "
-                        f"{', '.join(FIELDS)}")
+    check_keys(values, where)
     if values.get("params", {}) is None:
         raise UserError(f"params=None{where}: must be a mapping of algorithm knobs (name: value)")
     cfg = Config(**{k: _convert(k, v) for k, v in values.items()})

@@ -63,3 +63,28 @@ def config_flags_given(args: argparse.Namespace) -> list[str]:
     """The config flags typed on the command line (a --resume takes none: the saved config is the run's)."""
     given = [f"--{k.replace('_', '-')}" for k in vars(args) if k in FIELDS and k != "params"]
     return given + (["--param"] if args.param else []) + (["--config"] if args.config else [])
+
+
+def add_options(group, options: type) -> None:
+    """A flag per field of an options class (:class:`rayfl.specs.SweepOptions`, :class:`rayfl.specs.CompareOptions`):
+    its default, choices and help are the field's, so the command's flags and the API's keywords cannot drift."""
+    import dataclasses
+
+    for f in dataclasses.fields(options):
+        meta = dict(f.metadata)
+        flag = meta.pop("flag", "--" + f.name.replace("_", "-"))
+        text = meta.pop("help").replace("{default}", " ".join(map(str, f.default)) if isinstance(f.default, tuple)
+                                        else str(f.default))
+        default = meta.pop("cli_default", f.default)
+        if callable(meta.get("choices")):
+            meta["choices"] = meta["choices"]()
+        group.add_argument(flag, dest=f.name, default=default, help=text, **meta)
+
+
+def add_session_arguments(group, resume: str | None = None) -> None:
+    """The flags every command that runs experiments takes: where Ray is, whether rounds are shown, and (with
+    ``resume``: its help) ``--resume``."""
+    if resume:
+        group.add_argument("--resume", metavar="DIR", help=resume)
+    group.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else a new local instance)")
+    group.add_argument("--quiet", action="store_true", help="no per-round progress lines")

@@ -50,8 +50,11 @@ def run_in_process(prepared, tracking: dict | None, checkpoint_dir: str | None =
     outcome dict, ``on_round`` sees the same round events, ``tracking`` names the MLflow run (None: none),
     ``device`` is where the clients train ("cuda" in a Ray worker given a GPU)."""
     from rayfl.runtime import LocalRuntime
-    from rayfl.tracking import MlflowTracker
+    from rayfl.tracking import MlflowTracker, record_run_id, resumed_tracking
 
+    tracking = resumed_tracking(tracking, checkpoint_dir)  # a checkpoint to go on from: its MLflow run too
     tracker = MlflowTracker(**tracking) if tracking is not None else None
+    if tracker:
+        tracker.on_run = lambda run_id: record_run_id(checkpoint_dir, run_id)  # for --resume
     callbacks = ([tracker] if tracker else []) + ([_Rounds(on_round)] if on_round else [])
     return execute(Loop(prepared, LocalRuntime(prepared, device=device), callbacks, checkpoint_dir), tracker)

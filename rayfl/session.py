@@ -2,7 +2,7 @@
 
 Starting or attaching Ray (a private loopback instance with its own token, or a given cluster, probed first so
 that a wrong ``--address`` is one line within seconds), shutting it down with the environment restored, the
-checks on a tracking store made on a cluster (those made here are :mod:`rayfl.tracking_store`'s), and a run
+checks on a tracking store made on a cluster (those made here are :mod:`rayfl.tracking.store`'s), and a run
 directory's layout (``config.yaml`` beside
 its checkpoints, what ``--resume`` reads back).
 """
@@ -19,7 +19,7 @@ from typing import Callable
 from rayfl import ray_compat
 from rayfl.config import UserError, check_value, make_config, read_yaml, shown
 from rayfl.progress import stderr_into
-from rayfl.tracking_store import (CONNECT_TIMEOUT_S, check_tracking_store,  # noqa: F401 - re-exported
+from rayfl.tracking.store import (CONNECT_TIMEOUT_S, check_tracking_store,  # noqa: F401 - re-exported
                                   tracking_server_problem, unreachable)
 
 Progress = Callable[[dict], None]
@@ -312,3 +312,120 @@ def load_run_dir(run_dir: str, step_sizes: dict | None = None):
 
         cfg = with_step_sizes(run_dir, cfg, step_sizes)
     return cfg
+
+
+# --------------------------------------------------------------------------------------------------
+# One command's session: what run, tune and compare all do around their experiments
+# --------------------------------------------------------------------------------------------------
+class Session:
+    """What a run, a sweep and a comparison do around their experiments, done one way: check the tracking store
+    before anything starts, connect to Ray (a private local instance unless this process is connected or an
+    address is given; shut down when the session ends only if it was started here), make run directories,
+    open the experiment and a parent run, and deliver what a parent's outbox kept. A context manager::
+
+        with Session(address, TrackingSpec.of(cfg), emit) as session:
+            session.check_store()
+            session.start_ray()
+            ...
+    """
+
+    def __init__(self, address: str | None, tracking, emit: Progress = lambda event: None):
+        check_address(address)
+        self.address, self.tracking, self.emit = address, tracking, emit
+        self.started = False
+        self._experiment_id: str | None = None
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Ray down (and the environment as it was) if this session started it."""
+        if self.started:
+            self.started = False
+            shutdown_ray()
+
+    @property
+    def on_cluster(self) -> bool:
+        """A given cluster (``address`` or $RAY_ADDRESS), not a private instance on this machine."""
+        return bool(self.address or os.environ.get("RAY_ADDRESS"))
+
+    # --- checks, before anything starts ---------------------------------------------------------------
+    def check_here(self, threads: int) -> None:
+        """Torch threads per actor that this machine's cores hold (a private instance only)."""
+        check_threads_here(threads, self.address)
+
+    def check_store(self) -> None:
+        """The tracking store opens from here: refused in one line now, not after MLflow's minutes of retries."""
+        check_tracking_store(self.tracking.uri, self.tracking.experiment)
+
+    def check_store_shared(self) -> None:
+        """Runs on several machines log to one store: a tracking server, not a file one machine holds."""
+        from rayfl.multinode import check_store
+
+        check_store(self.tracking.uri)
+
+    def check_store_on_cluster(self) -> None:
+        """A tracking server as the cluster's nodes see it (once connected)."""
+        check_tracking_on_cluster(self.tracking.uri, self.tracking.experiment)
+
+    # --- Ray ---------------------------------------------------------------------------------------------
+    def start_ray(self) -> None:
+        """Connected (started here unless this process already is)."""
+        self.started = start_ray(self.address, self.emit) or self.started
+
+    def connect_early(self) -> None:
+        """On a cluster, connect before planning: how many machines it spans decides where files go."""
+        from rayfl.multinode import on_cluster
+
+        if on_cluster(self.address):
+            self.start_ray()
+
+    # --- tracking ------------------------------------------------------------------------------------------
+    def experiment_id(self) -> str:
+        """The experiment's id in the store (created if missing); a store that cannot be opened is one line."""
+        if self._experiment_id is None:
+            self._experiment_id = open_experiment(self.tracking.uri, self.tracking.experiment)
+        return self._experiment_id
+
+    def open_parent(self, name: str, tags: dict, params: dict | None = None):
+        """A new MLflow parent run (:class:`rayfl.tracking.ParentRun`) in the experiment."""
+        from rayfl.tracking import ParentRun
+
+        return ParentRun.create(self.tracking.uri, self.experiment_id(), name, tags, params)
+
+    def reopen_parent(self, run_id: str):
+        from rayfl.tracking import ParentRun
+
+        return ParentRun.reopen(self.tracking.uri, run_id)
+
+    def run_dir(self, cfg, run_name: str) -> str:
+        """A run directory (:func:`make_run_dir`) recording the tracking URI used."""
+        return make_run_dir(cfg, run_name, self.tracking.uri)
+
+    def answers(self) -> bool:
+        """Whether the tracking store answers now (a local store always does)."""
+        from rayfl.tracking import answers, server_address
+
+        return answers(server_address(self.tracking.uri), timeout=3.0)
+
+    def deliver(self, folder: str) -> None:
+        """What ``folder``'s outbox kept, sent now if the store answers (else it stays for ``rayfl sync``)."""
+        import shutil
+
+        from rayfl.tracking import outbox_dir, sync_run
+
+        if self.answers():
+            try:
+                sync_run(folder)
+                shutil.rmtree(outbox_dir(folder))
+            except Exception:  # noqa: BLE001 - gone meanwhile: what it did not get stays for rayfl sync
+                pass
+
+    def unsent_line(self, root: str, what: str) -> str | None:
+        """The line saying which runs under ``root`` kept records their store did not get, and how to send them."""
+        from rayfl.tracking import kept_line
+
+        return kept_line(root, self.tracking.uri, what)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import sys
 
 from rayfl.config import FIELDS, UserError, read_yaml, shown
-from rayfl.flags import add_config_arguments, parse_params
+from rayfl.flags import add_config_arguments, add_options, add_session_arguments, parse_params
+from rayfl.specs import CompareOptions, CompareSpec
 
 
 def add_compare_parser(subparsers) -> None:
@@ -21,19 +22,15 @@ def add_compare_parser(subparsers) -> None:
                     + ", ".join(PRESETS) + " (rayfl/comparison/presets.py).")
     add_config_arguments(p, hidden=("algo",))  # --algos names the algorithms; --algo is refused, naming it
     g = p.add_argument_group("comparison")
-    g.add_argument("--algos", metavar="A,B,...", help="algorithms to compare (default: the preset's)")
-    g.add_argument("--seeds", type=int, nargs="+", metavar="S", help="seeds (default: 0 1 2, or --seed)")
-    g.add_argument("--preset", choices=sorted(PRESETS), help="a paper's setting; flags override it")
-    g.add_argument("--max-concurrent", type=int, metavar="N", help="experiments at once (default: one per CPU)")
-    g.add_argument("--local", action="store_true", help="run in this process without Ray, one at a time")
-    g.add_argument("--name", help="MLflow parent run name")
-    g.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else a new local instance)")
-    g.add_argument("--quiet", action="store_true", help="no per-round progress lines")
+    add_options(g, CompareOptions)
+    add_session_arguments(g)
     p.set_defaults(handler=cmd_compare)
 
 
 def cmd_compare(args) -> int:
-    from rayfl.comparison.run import compare
+    """``rayfl compare``: the parsed flags as a :class:`rayfl.specs.CompareSpec`, run by
+    :func:`rayfl.comparison.run.compare_spec` (as :func:`rayfl.compare` runs one); the table printed."""
+    from rayfl.comparison.run import compare_spec
     from rayfl.progress import format_round
 
     config = read_yaml(args.config) if args.config else {}
@@ -45,17 +42,17 @@ def cmd_compare(args) -> int:
         raise UserError(f"params={shown(file_params)} in {args.config}: must be a mapping of algorithm knobs "
                         f"(name: value)")
     params = {**file_params, **parse_params(args.param)}
-    seeds = args.seeds or ([config["seed"]] if "seed" in config else [0, 1, 2])
+    seeds = args.seeds or ([config["seed"]] if "seed" in config else list(CompareOptions.seeds))
     algos = [a.strip() for a in args.algos.split(",") if a.strip()] if args.algos else None
     if args.algos is not None and not algos:
         raise UserError(f"--algos {args.algos!r}: expected A,B,...")
+    spec = CompareSpec(algos=algos, seeds=seeds, preset=args.preset, max_concurrent=args.max_concurrent,
+                       runtime=args.runtime, name=args.name, params=params, config=config, address=args.address)
     show = None if args.quiet else (lambda label, rec: print(f"{label:>14s}  {format_round(rec)}", flush=True))
     lines: list[str] = []  # the closing MLflow lines come after the table
-    result = compare(algos, seeds, args.preset, params=params, runtime="local" if args.local else "ray",
-                     max_concurrent=args.max_concurrent, address=args.address, name=args.name, on_round=show,
-                     progress=lambda line: (lines.append(line) if line.startswith("look at it") or
-                                            line.startswith("  then") else print(line, flush=True)),
-                     **config)
+    result = compare_spec(spec, on_round=show,
+                          progress=lambda line: (lines.append(line) if line.startswith("look at it") or
+                                                 line.startswith("  then") else print(line, flush=True)))
     print()
     print(result.markdown)
     print()

@@ -13,7 +13,6 @@ import dataclasses
 import math
 import os
 import re
-import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -24,9 +23,10 @@ import pandas as pd
 
 from rayfl.comparison.presets import PRESETS
 from rayfl.comparison.table import CLASSIFICATION, REGRESSION, SAME_WORK, SETTINGS, WORK, Agreement, bar_chart, markdown, ordering_agreement, summarize_runs, with_paper
-from rayfl.config import UserError, make_config, shown
+from rayfl.config import UserError, make_config
 from rayfl.divergence import Diverged
-from rayfl.session import check_threads_here, check_tracking_store, make_run_dir, shutdown_ray, start_ray
+from rayfl.session import Session
+from rayfl.specs import CompareOptions, CompareSpec, TrackingSpec
 
 
 @dataclass
@@ -244,9 +244,10 @@ def _ray_share(cfg, concurrent: int) -> tuple:
     return res, n_actors
 
 
-def compare(algos: Sequence[str] | None = None, seeds: Sequence[int] = (0, 1, 2), preset: str | None = None, *,
-            params: dict | None = None, runtime: str = "ray", max_concurrent: int | None = None,
-            address: str | None = None, name: str | None = None,
+def compare(algos: Sequence[str] | None = CompareOptions.algos, seeds: Sequence[int] = CompareOptions.seeds,
+            preset: str | None = CompareOptions.preset, *, params: dict | None = None,
+            runtime: str = CompareOptions.runtime, max_concurrent: int | None = CompareOptions.max_concurrent,
+            address: str | None = None, name: str | None = CompareOptions.name,
             on_round: Callable[[str, dict], None] | None = None, command: str | None = None,
             progress: bool | Callable[[str], None] = False, plugins: list[str] | None = None,
             **config) -> CompareResult:
@@ -263,79 +264,65 @@ def compare(algos: Sequence[str] | None = None, seeds: Sequence[int] = (0, 1, 2)
     the runs' provenance tags (default: this process's command line). ``progress``: True prints what will run,
     ``k/N done`` with an estimate of the time left as each experiment ends, and where MLflow shows the result;
     a callable receives those lines instead. ``plugins``: .py files or module names to load first, as
-    ``--plugin`` (their algorithms can be rows)."""
-    from rayfl.data.report import PartitionReport
-    from rayfl.experiment import prepare
+    ``--plugin`` (their algorithms can be rows). The defaults are :class:`rayfl.specs.CompareOptions`'."""
+    from rayfl.config import check_value
     from rayfl.plugins import as_sources, load_plugins
-    from rayfl.progress import partition
-    from rayfl.provenance import origin
-    from rayfl.tracking import ensure_experiment, resolve_tracking_uri
 
     load_plugins(as_sources(plugins))
-    from rayfl.config import check_value
-
     for key, value in {"algos": algos, "seeds": seeds, "params": params, "name": name, **config}.items():
         check_value(key, value)  # bounded before anything walks or quotes it
-    if name is not None and not isinstance(name, str):
-        raise UserError(f"name={shown(name)}: must be a string (the MLflow parent run's name)")
-    if name is not None and (not name.strip() or not name.isprintable()):
-        raise UserError(f"name={shown(name)}: must be a non-empty name without control characters (the MLflow "
-                        f"parent run's name)")
-    if runtime not in ("ray", "local"):
-        raise UserError(f"runtime={runtime!r}: allowed: ray, local")
-    if runtime == "local" and address is not None:
-        raise UserError(f"address={shown(address)}: a local comparison (--local) runs in this process, on no "
-                        f"cluster; give one or the other")
-    if algos is not None and (isinstance(algos, str) or not isinstance(algos, (list, tuple))
-                              or not all(isinstance(a, str) for a in algos)):
-        raise UserError(f"algos={shown(algos)}: must be a list of row names, e.g. ['fedavg', 'fedfomo:M=3']")
-    if params is not None and not (isinstance(params, dict) and all(isinstance(k, str) for k in params)):
-        raise UserError(f"params={shown(params)}: must be a dict of algorithm knobs (name: value)")
-    if not isinstance(seeds, (list, tuple, range)):
-        raise UserError(f"seeds={shown(seeds)}: give one or more distinct integer seeds, e.g. [0, 1, 2]")
-    if max_concurrent is not None and (isinstance(max_concurrent, bool) or not isinstance(max_concurrent, int)
-                                       or max_concurrent < 1):
-        raise UserError(f"max_concurrent={shown(max_concurrent)}: must be an integer >= 1")
-    planned = build_configs(algos, seeds, preset, params, **config)
+    spec = CompareSpec(algos=algos, seeds=seeds, preset=preset, max_concurrent=max_concurrent, runtime=runtime,
+                       name=name, params=params, config=config, address=address, command=command)
+    return compare_spec(spec, on_round=on_round, progress=progress)
+
+
+def compare_spec(spec: CompareSpec, on_round: Callable[[str, dict], None] | None = None,
+                 progress: bool | Callable[[str], None] = False) -> CompareResult:
+    """A :class:`rayfl.specs.CompareSpec`, as :func:`compare` and ``rayfl compare`` ask for it, in one
+    :class:`rayfl.session.Session`: checks, the runs (on Ray or in this process), the table, the parent run."""
+    from rayfl.experiment import prepare
+    from rayfl.provenance import origin
+
+    spec.check()
+    planned = build_configs(spec.algos, spec.seeds, spec.preset, spec.params, **spec.config)
     # every user mistake surfaces here, before anything starts
     prepared = [(row, prepare(cfg)) for row, cfg in planned]
     settings = row_settings(planned)
+    with Session(spec.address, TrackingSpec.of(planned[0][1])) as session:
+        return _compare(spec, session, planned, prepared, settings, on_round, progress, origin(spec.command))
+
+
+def _compare(spec: CompareSpec, session: Session, planned: list, prepared: list, settings: dict, on_round,
+             progress, provenance: dict) -> CompareResult:
+    from rayfl.data.report import PartitionReport
+    from rayfl.progress import partition
+
+    preset, runtime, max_concurrent = spec.preset, spec.runtime, spec.max_concurrent
     base = planned[0][1]
-    check_threads_here(max(cfg.torch_threads for _, cfg in planned), address if runtime == "ray" else None)
-    uri = resolve_tracking_uri(base.tracking_uri)
-    check_tracking_store(uri, base.experiment)  # as run checks it: no directories made for a store it refuses
-    exp_id = ensure_experiment(uri, base.experiment)
+    session.check_here(max(cfg.torch_threads for _, cfg in planned))
+    session.check_store()  # as run checks it: no directories made for a store it refuses
+    uri, exp_id = session.tracking.uri, session.experiment_id()
     order = list(dict.fromkeys(row for row, _ in planned))
     seeds = list(dict.fromkeys(cfg.seed for _, cfg in planned))
-    name = name or base.run_name or f"compare-{preset or base.dataset}-{time.strftime('%Y%m%d-%H%M%S')}"
+    name = spec.name or base.run_name or f"compare-{preset or base.dataset}-{time.strftime('%Y%m%d-%H%M%S')}"
     # the table, and each run's directory (its checkpoints, records kept for rayfl sync) below it
     from rayfl.config import Config
-    from rayfl.multinode import check_store, on_cluster, shared_default
+    from rayfl.multinode import shared_default
 
-    # on a cluster, connected first: how many machines it spans decides where the runs' files go
-    early = runtime == "ray" and on_cluster(address) and start_ray(address, lambda event: None)
-    try:
-        if runtime == "ray":
-            check_store(uri)
-        parent_dir = shared_default("--out-dir", None if base.out_dir == Config.out_dir else base.out_dir,
-                                    "runs") if runtime == "ray" else None
-    except BaseException:
-        if early:
-            shutdown_ray()
-        raise
+    parent_dir = None
+    if runtime == "ray":
+        session.connect_early()  # on a cluster, connected first: how many machines it spans decides where files go
+        session.check_store_shared()
+        parent_dir = shared_default("--out-dir", None if base.out_dir == Config.out_dir else base.out_dir, "runs")
     out_dir = new_dir(os.path.join(parent_dir or base.out_dir, "compare"), name)
 
-    from mlflow import MlflowClient
-
-    client = MlflowClient(uri)
-    provenance = origin(command)
-    parent = client.create_run(exp_id, run_name=name, tags={**provenance, "rayfl.role": "compare",
-                                                             "rayfl.compare_preset": preset or ""}).info.run_id
     shared = {k: v for k, v in base.to_flat().items() if k not in ("algo", "seed", "run_name")
               and not k.startswith("param.")}
-    for k, v in {**shared, "compare_algos": ",".join(order), "compare_seeds": ",".join(map(str, seeds)),
-                 "compare_preset": preset or "", "compare_runtime": runtime}.items():
-        client.log_param(parent, k, "" if v is None else v)
+    params = {**shared, "compare_algos": ",".join(order), "compare_seeds": ",".join(map(str, seeds)),
+              "compare_preset": preset or "", "compare_runtime": runtime}
+    parent_run = session.open_parent(name, {**provenance, "rayfl.role": "compare", "rayfl.compare_preset": preset or ""},
+                                     {k: "" if v is None else v for k, v in params.items()})
+    parent = parent_run.run_id
 
     say = progress if callable(progress) else (lambda line: print(line, flush=True)) if progress else None
     total, t_start, finished = len(prepared), time.perf_counter(), []
@@ -353,11 +340,10 @@ def compare(algos: Sequence[str] | None = None, seeds: Sequence[int] = (0, 1, 2)
         cfg = p.cfg
         label = f"{row} s{cfg.seed}"
         # the row first in the name (the runs table cuts it), and as tags to group the runs table by
-        tracking = {"tracking_uri": uri, "experiment_id": exp_id, "run_name": label, "parent_run_id": parent,
-                    "extra_params": {"compare": name},
-                    "tags": {**provenance, "rayfl.role": "compare-run", "rayfl.compare_row": row,
-                             "rayfl.seed": str(cfg.seed)},
-                    "partition": reports[id(p)].to_dict()}
+        tracking = session.tracking.for_run(
+            label, experiment_id=exp_id, parent_run_id=parent, extra_params={"compare": name},
+            tags={**provenance, "rayfl.role": "compare-run", "rayfl.compare_row": row, "rayfl.seed": str(cfg.seed)},
+            partition=reports[id(p)].to_dict())
         show = (lambda rec: on_round(label, rec)) if on_round else None
         run_dir = run_dirs[label]
         try:
@@ -394,14 +380,11 @@ def compare(algos: Sequence[str] | None = None, seeds: Sequence[int] = (0, 1, 2)
         folder = file_name(label)
         folder = f"{folder}-{len(names)}" if folder in names else folder  # two labels made one name
         names.add(folder)
-        run_dirs[label] = make_run_dir(dataclasses.replace(p.cfg, out_dir=out_dir), folder, uri)
-    started_ray = early
+        run_dirs[label] = session.run_dir(dataclasses.replace(p.cfg, out_dir=out_dir), folder)
     rows: list[dict] = []
     try:
         if runtime == "ray":
-            import ray
-
-            started_ray = start_ray(address, lambda event: None) or started_ray
+            session.start_ray()
             from rayfl.actors.resources import live_nodes, slots
 
             concurrent = max_concurrent or max(1, min(len(prepared), slots(base, live_nodes(free=False))))
@@ -412,11 +395,10 @@ def compare(algos: Sequence[str] | None = None, seeds: Sequence[int] = (0, 1, 2)
             for p in prepared:
                 rows.extend(one(p))
     except BaseException:
-        client.set_terminated(parent, "FAILED")
+        parent_run.end("FAILED")
         raise
     finally:
-        if started_ray:
-            shutdown_ray()  # and the environment init_ray changed, as it was
+        session.close()  # Ray down (if started here), and the environment init_ray changed, as it was
     runs = pd.DataFrame(rows)
     for row in list(order):  # a second row (before_rows) right after its row
         for second in reversed(before_rows(row).values()):
@@ -433,17 +415,9 @@ def compare(algos: Sequence[str] | None = None, seeds: Sequence[int] = (0, 1, 2)
     title = (f"{preset + ': ' if preset else ''}{base.dataset} ({base.partition}), {base.clients} clients, "
              f"{base.rounds} rounds: final round, mean ± std over {len(seeds)} seeds")
     _write_tables(out_dir, runs, table, text, preset)  # kept here whatever the tracking server does
-    from rayfl.tracking_outbox import answers, kept_line, server_address, sync_run
-
-    box = _parent_records(out_dir, parent, uri, runs, table, text, preset, agreement, provenance["rayfl.command"],
-                          title)
-    if answers(server_address(uri), timeout=3.0):
-        try:
-            sync_run(out_dir)
-            shutil.rmtree(box)
-        except Exception:  # noqa: BLE001 - gone meanwhile: what it did not get stays for rayfl sync
-            pass
-    late = kept_line(out_dir, uri, "run(s)")  # records their server did not get (the parent's, the runs'), for sync
+    _parent_records(out_dir, parent, uri, runs, table, text, preset, agreement, provenance["rayfl.command"], title)
+    session.deliver(out_dir)
+    late = session.unsent_line(out_dir, "run(s)")  # records their server did not get (the parent's, the runs'), for sync
     if late:
         late += f"; the table is in {os.path.join(out_dir, 'table.md')}"
     result = CompareResult(table, runs, parent, text, uri, preset, agreement, exp_id, out_dir, late)
@@ -500,10 +474,8 @@ def _parent_records(out_dir: str, run_id: str, uri: str, runs: pd.DataFrame, tab
     else by ``rayfl sync``): table (CSV, Markdown), per-run rows, bar chart and one metric per row x column;
     its description (the run's Overview) is the table itself, with the setting and the command."""
     import matplotlib.pyplot as plt
-    from mlflow.entities import Metric
 
-    from rayfl.tracking import numeric
-    from rayfl.tracking_outbox import Outbox, outbox_dir
+    from rayfl.tracking import Outbox, metrics_record, numeric, outbox_dir
 
     metrics = {}
     for _, r in table.iterrows():
@@ -524,5 +496,5 @@ def _parent_records(out_dir: str, run_id: str, uri: str, runs: pd.DataFrame, tab
     # the table first: MLflow's Overview shows a description's first lines and folds the rest under "Show more"
     about = PRESETS[preset].what + f" Paper: {PRESETS[preset].paper_source}." if preset else ""
     note = text + (f"\n\n{about}" if about else "") + (f"\n\n```\n{command}\n```\n" if command else "\n")
-    box.spill([("metrics", [Metric(k, v, now, 0) for k, v in metrics.items()]), ("tags", [("mlflow.note.content", note)])])
+    box.spill([metrics_record(metrics, 0, now), ("tags", [("mlflow.note.content", note)])])
     return box.dir

@@ -6,7 +6,7 @@ function; trials share stages through the platform's :mod:`rayfl.stage_cache`),
 :mod:`~rayfl.sweep.progress` (console progress), :mod:`~rayfl.sweep.records` (the sweep's own plain record of
 its trials), :mod:`~rayfl.sweep.resume` (what is left of an interrupted sweep, from those records),
 :mod:`~rayfl.sweep.search` (the space as Tune's distributions, the search algorithm) and
-:mod:`~rayfl.sweep.command` (the parser, :class:`~rayfl.sweep.command.SweepSettings` and running them: the
+:mod:`~rayfl.sweep.command` (the parser, running a :class:`rayfl.specs.SweepSpec`: the
 Tuner, the results table and the MLflow parent run).
 """
 

@@ -1,5 +1,6 @@
-"""The ``rayfl tune`` command: its parser, :func:`cmd_tune`, and :func:`run_sweep`, which runs a sweep's
-:class:`SweepSettings` (``rayfl tune`` and :func:`rayfl.tune` both call it): the Tuner, and the end of a sweep.
+"""The ``rayfl tune`` command: its parser, :func:`cmd_tune`, and :func:`run_sweep`, which runs a
+:class:`rayfl.specs.SweepSpec` (``rayfl tune`` and :func:`rayfl.tune` both call it): the Tuner, and the end of a
+sweep.
 
 MLflow: the sweep process creates the parent run; every trial's driver opens a child run with
 ``parent_run_id``; at the end the parent gets the results table (CSV) and a plot of the metric against each
@@ -13,48 +14,21 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
 
 import yaml
 
 from rayfl.config import FIELDS, UserError, make_config, read_yaml
-from rayfl.flags import add_config_arguments, parse_params
+from rayfl.flags import add_config_arguments, add_options, add_session_arguments, parse_params
 from rayfl.progress import ConsoleProgress, summary_table
-from rayfl.session import check_address, check_threads_here, check_tracking_store, open_experiment, shutdown_ray, start_ray
+from rayfl.session import Session
+from rayfl.specs import SweepOptions, SweepSpec, TrackingSpec, check_name
 from rayfl.sweep.placement import _bundles_for, _pg_factory, bundle_total
 from rayfl.sweep.progress import _progress_callback
 from rayfl.sweep.search import _search_alg, _search_space, selectable_metrics
 from rayfl.sweep.space import MAX_TRIALS, Plan, Space, find_space_file, load_space, plan_sweep, validate_space
-from rayfl.sweep.trial import run_trial
+from rayfl.sweep.trial import TrialContext, run_trial
 
-SEARCHES = ("grid", "random", "optuna")
-SCHEDULERS = ("fifo", "asha")
 SWEEP_FILE = "rayfl_sweep.json"
-
-
-@dataclass
-class SweepSettings:
-    """A sweep as ``rayfl tune`` (once its flags are parsed) and :func:`rayfl.tune` ask for it: the experiment
-    (a config file, config keys over it, algorithm knobs), the sweep's own settings, and where it runs."""
-
-    config: str | None = None  # a YAML file of config keys
-    values: dict = field(default_factory=dict)  # config keys given, over the file's
-    params: dict = field(default_factory=dict)  # algorithm knobs given, over the file's
-    space: str | None = None  # a space file; None: tune_spaces/<algo>.yaml
-    search: str = "grid"
-    num_samples: int | None = None
-    max_concurrent: int | None = None
-    scheduler: str = "fifo"
-    grace_period: int | None = None
-    metric: str | None = None
-    mode: str | None = None
-    name: str | None = None
-    storage_path: str | None = None
-    stage_reuse: bool = True
-    resume: str | None = None  # a sweep directory to go on with
-    address: str | None = None
-    quiet: bool = False
-    call: str | None = None  # the API call that started it (None: the command line), for the MLflow tags
 
 
 # --------------------------------------------------------------------------------------------------
@@ -68,39 +42,14 @@ def add_tune_parser(subparsers) -> None:
                     "the sweep's parent run.")
     add_config_arguments(p)
     g = p.add_argument_group("sweep")
-    g.add_argument("--space", metavar="FILE", help="search space YAML (default: tune_spaces/<algo>.yaml)")
-    g.add_argument("--search", choices=SEARCHES, default="grid",
-                   help="grid: every grid point (x --num-samples draws of the random keys); random: --num-samples "
-                        "draws (grid lists become choices); optuna: model-based, needs "
-                        "`pip install 'rayfl[optuna]'` (runs offline)")
-    g.add_argument("--num-samples", type=int, default=None, metavar="N",
-                   help="grid: repeats of the grid (default 1); random/optuna: trials (default 10)")
-    g.add_argument("--max-concurrent", type=int, default=None, metavar="N",
-                   help="trials at once; each gets cluster/N of the CPUs and GPUs (default: as many as fit one "
-                        "torch thread per client actor)")
-    g.add_argument("--scheduler", choices=SCHEDULERS, default="fifo",
-                   help="asha: stop poor trials early on the per-round metric")
-    g.add_argument("--grace-period", type=int, default=None, metavar="ROUNDS",
-                   help="ASHA: rounds before a trial may be stopped (default: rounds/4, at least 1)")
-    g.add_argument("--metric", default=None,
-                   help="metric to optimize (default: val_acc_mean; val_loss_mean for regression); never a test metric")
-    g.add_argument("--mode", choices=("max", "min"), default=None, help="default: min for losses, else max")
-    g.add_argument("--name", help="sweep name (default: <algo>-sweep-<time>)")
-    g.add_argument("--storage-path", metavar="DIR",
-                   help="where Tune keeps the sweep (default: <out-dir>/tune); shared storage on multi-node clusters")
-    g.add_argument("--resume", metavar="DIR",
-                   help="go on with an interrupted sweep (its directory), from rayfl's own records there (Tune's "
-                        "state files are never read); --tracking-uri / --stage-cache say where it writes when the "
-                        "recorded ones lie outside DIR")
-    g.add_argument("--no-stage-reuse", action="store_true",
-                   help="compute every stage in every trial (default: trials that agree up to a stage share it, "
-                        "e.g. PersFL's FedAvg stage across (lam, T); see --stage-cache)")
-    g.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else a new local instance)")
-    g.add_argument("--quiet", action="store_true", help="no per-round progress lines")
+    add_options(g, SweepOptions)
+    add_session_arguments(g, resume="go on with an interrupted sweep (its directory), from rayfl's own records "
+                                    "there (Tune's state files are never read); --tracking-uri / --stage-cache say "
+                                    "where it writes when the recorded ones lie outside DIR")
     p.set_defaults(handler=cmd_tune)
 
 
-def _arg_values(s: SweepSettings) -> tuple[dict, dict, dict]:
+def _arg_values(s: SweepSpec) -> tuple[dict, dict, dict]:
     """The config file's keys, the keys given over it, the knobs given over it."""
     return (read_yaml(s.config) if s.config else {}), dict(s.values), dict(s.params)
 
@@ -192,79 +141,54 @@ def sweep_markdown(meta: dict, df, best: dict, best_run: tuple[str, str] | None 
     return "\n".join(lines) + "\n"
 
 
-def _parent_run(meta: dict):
-    import mlflow
-    from mlflow import MlflowClient
-
-    mlflow.set_tracking_uri(meta["tracking_uri"])
-    return MlflowClient(meta["tracking_uri"])
-
-
 def cmd_tune(args) -> int:
-    """``rayfl tune``: the parsed flags as :class:`SweepSettings`, run by :func:`run_sweep` (as :func:`rayfl.tune`
-    runs them). 1: no trial reported the metric (the sweep has said so); 130: interrupted (it has said how to
-    resume)."""
-    settings = SweepSettings(
-        config=args.config, values={k: v for k, v in vars(args).items() if k in FIELDS and k != "params"},
-        params=parse_params(args.param), space=args.space, search=args.search, num_samples=args.num_samples,
-        max_concurrent=args.max_concurrent, scheduler=args.scheduler, grace_period=args.grace_period,
-        metric=args.metric, mode=args.mode, name=args.name, storage_path=args.storage_path,
-        stage_reuse=not args.no_stage_reuse, resume=args.resume, address=args.address, quiet=args.quiet)
+    """``rayfl tune``: the parsed flags as a :class:`rayfl.specs.SweepSpec`, run by :func:`run_sweep` (as
+    :func:`rayfl.tune` runs one). 1: no trial reported the metric (the sweep has said so); 130: interrupted (it
+    has said how to resume)."""
+    options = {f: getattr(args, f) for f in SweepOptions.__dataclass_fields__}
+    spec = SweepSpec(**options, config=args.config, params=parse_params(args.param),
+                     values={k: v for k, v in vars(args).items() if k in FIELDS and k != "params"},
+                     resume=args.resume, address=args.address, quiet=args.quiet)
     try:
-        return run_sweep(settings)[1]
+        return run_sweep(spec)[1]
     except KeyboardInterrupt:
         return 130
 
 
-def run_sweep(s: SweepSettings) -> tuple[dict, int]:
-    """A sweep: checks, Ray (started here unless this process is connected), Tune, the results. Returns the
-    sweep's record (``rayfl_sweep.json``'s content) and 0, 1 when no trial reported the metric, or 130 when it
-    was interrupted (resumable)."""
+def run_sweep(s: SweepSpec) -> tuple[dict, int]:
+    """A sweep: checks, Ray (started here unless this process is connected), Tune, the results, in one
+    :class:`rayfl.session.Session`. Returns the sweep's record (``rayfl_sweep.json``'s content) and 0, 1 when no
+    trial reported the metric, or 130 when it was interrupted (resumable)."""
     os.environ.setdefault("RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS", "0")
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
     # Ctrl-C reaches us as KeyboardInterrupt (Tune's own handler would end fit() as if the sweep were done);
     # rayfl's trial records and checkpoints are on disk by then, and --resume goes on from them.
     os.environ.setdefault("TUNE_DISABLE_SIGINT_HANDLER", "1")
-    check_address(s.address)
-    early = False
-    if s.resume:
-        where = ("--tracking-uri", "--stage-cache")  # where the resume writes may be said again
-        extra = [f for f in _flags_given(s) if f not in where]
-        if extra:
-            raise UserError(f"--resume {s.resume!r} with {extra[0]}: a resumed sweep keeps its saved settings; "
-                            f"give only --resume DIR (and --tracking-uri, --stage-cache, --address, --quiet)")
-        meta = resume_meta(s)
-    else:
-        from rayfl.multinode import on_cluster
-
-        # on a cluster, connected first: how many machines it spans decides where the sweep's files go
-        early = on_cluster(s.address) and start_ray(s.address, (lambda event: None) if s.quiet else ConsoleProgress())
-        try:
-            meta = _new_sweep(s)
-        except BaseException:
-            if early:
-                shutdown_ray()
-            raise
-    started = start_ray(s.address, (lambda event: None) if s.quiet else ConsoleProgress()) or early
-    try:
-        code = _run(meta, s.quiet, resume=bool(s.resume))
-    finally:
-        if started:
-            shutdown_ray()
-    return meta, code
+    with Session(s.address, None, (lambda event: None) if s.quiet else ConsoleProgress()) as session:
+        s.check()
+        if s.resume:
+            meta = resume_meta(s)
+            session.tracking = TrackingSpec(meta["tracking_uri"], meta["experiment"])
+        else:
+            if isinstance(s.space, dict):
+                s.space, s.name = _write_space(s)
+            # on a cluster, connected first: how many machines it spans decides where the sweep's files go
+            session.connect_early()
+            meta = _new_sweep(s, session)
+        session.start_ray()
+        return meta, _run(meta, s.quiet, bool(s.resume), session)
 
 
-def _flags_given(s: SweepSettings) -> list[str]:
-    """The flags that set something in ``s`` (config keys, knobs, the config file, then the sweep's own)."""
-    given = [f"--{k.replace('_', '-')}" for k in s.values] + (["--param"] if s.params else []) + (
-        ["--config"] if s.config else [])
-    return given + [f"--{k.replace('_', '-')}" for k in SWEEP_FLAGS
-                    if (not s.stage_reuse if k == "no_stage_reuse" else getattr(s, k))]
-
-
-# `rayfl tune` flags that only a new sweep takes (a resumed one keeps what it was started with).
-SWEEP_FLAGS = ("space", "num_samples", "max_concurrent", "grace_period", "metric", "mode", "name", "storage_path",
-               "no_stage_reuse")
+def _write_space(s: SweepSpec) -> tuple[str, str]:
+    """A space given as a dict is kept as a file beside the sweep (its record, and what resume reads)."""
+    base = make_config(s.config, s.values)
+    name = s.name if s.name is not None else f"{base.algo}-sweep-{time.strftime('%Y%m%d-%H%M%S')}"
+    folder = os.path.abspath(os.path.join(s.storage_path or os.path.join(base.out_dir, "tune"), "spaces"))
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"{name}.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(s.space, f, sort_keys=False)
+    return path, name
 
 
 def _load_meta(sweep_dir: str) -> dict:
@@ -274,37 +198,17 @@ def _load_meta(sweep_dir: str) -> dict:
     return load_meta(sweep_dir)
 
 
-def resume_meta(s: SweepSettings) -> dict:
+def resume_meta(s: SweepSpec) -> dict:
     """Everything a resume needs, checked before Ray starts (:func:`rayfl.sweep.resume.prepare_resume`)."""
     from rayfl.sweep.resume import prepare_resume
 
     return prepare_resume(s.resume, s.values.get("tracking_uri"), s.values.get("stage_cache"))
 
 
-def check_name(name, flag: str = "--name") -> None:
-    """A sweep's name is its directory's name under the storage path."""
-    if not isinstance(name, str) or not name.strip() or "/" in name or "\\" in name or name in (".", "..") \
-            or not name.isprintable():
-        raise UserError(f"{flag}={name!r}: must be a directory name (no '/'), without control characters, e.g. persfl-lam")
-
-
-def check_counts(values: dict, style: str = "flag") -> None:
-    """``num_samples``, ``max_concurrent``, ``grace_period``: None (the default) or an integer >= 1."""
-    for key, value in values.items():
-        shown = f"--{key.replace('_', '-')}" if style == "flag" else key
-        if value is None:
-            continue
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise UserError(f"{shown}={value!r}: must be an integer >= 1 (leave it out for the default)")
-        if key == "num_samples" and value > MAX_TRIALS:
-            raise UserError(f"{shown}={value}: a sweep runs at most {MAX_TRIALS:,} trials")
-
-
-def _new_sweep(s: SweepSettings) -> dict:
-    """Everything decided and checked before Ray starts: values, space, metric, resources, MLflow parent."""
+def _new_sweep(s: SweepSpec, session: Session) -> dict:
+    """Everything decided and checked before Ray starts: values, space, metric, resources, the tracking store."""
     from rayfl.experiment import prepare
     from rayfl.provenance import origin
-    from rayfl.tracking import resolve_tracking_uri
 
     file_values, flag_values, flag_params = _arg_values(s)
     algo = flag_values.get("algo") or file_values.get("algo")
@@ -317,12 +221,12 @@ def _new_sweep(s: SweepSettings) -> dict:
     if plan.base.get("data_root"):  # trials run in their own directories: relative paths would break there
         plan.base["data_root"] = os.path.abspath(os.path.expanduser(plan.base["data_root"]))
     base_cfg = plan.config({})
-    check_counts({flag: getattr(s, flag) for flag in ("num_samples", "max_concurrent", "grace_period")})
     prepared = prepare(base_cfg)  # data errors (a missing data root, ...) before any trial; gives the task
     grid_threads = [t for t in plan.space.grid.get("torch_threads", []) if isinstance(t, int)]
-    check_threads_here(max([base_cfg.torch_threads, *grid_threads]), s.address)  # each trial's, on this machine
-    uri = resolve_tracking_uri(base_cfg.tracking_uri)
-    check_tracking_store(uri, base_cfg.experiment)  # a silent server: one line now, not MLflow's minutes of retries
+    session.check_here(max([base_cfg.torch_threads, *grid_threads]))  # each trial's, on this machine
+    session.tracking = TrackingSpec.of(base_cfg)
+    uri = session.tracking.uri
+    session.check_store()  # a silent server: one line now, not MLflow's minutes of retries
     metric, mode = _default_metric(prepared.info.task, s.metric, s.mode, base_cfg.val_frac)
     search = s.search
     num_samples = s.num_samples or (1 if search == "grid" else 10)
@@ -334,9 +238,9 @@ def _new_sweep(s: SweepSettings) -> dict:
         _search_alg("optuna", 0, 1, metric, mode)  # fails here, before anything starts, if optuna is missing
     name = s.name if s.name is not None else f"{plan.algo}-sweep-{time.strftime('%Y%m%d-%H%M%S')}"
     check_name(name)
-    from rayfl.multinode import check_store, shared_default
+    from rayfl.multinode import shared_default
 
-    check_store(uri)  # trials on several machines: a tracking server, not a file
+    session.check_store_shared()  # trials on several machines: a tracking server, not a file
     storage = os.path.abspath(shared_default("--storage-path", s.storage_path, "tune")
                               or os.path.join(base_cfg.out_dir, "tune"))
     sweep_dir = os.path.join(storage, name)
@@ -349,7 +253,7 @@ def _new_sweep(s: SweepSettings) -> dict:
     except OSError as e:
         raise UserError(f"--storage-path={storage!r}: cannot write there ({e.strerror or e}); give a writable "
                         f"directory (or --out-dir)") from None
-    experiment_id = open_experiment(uri, base_cfg.experiment)
+    experiment_id = session.experiment_id()
     stage_cache = "" if not s.stage_reuse else os.path.abspath(os.path.expanduser(
         base_cfg.stage_cache or os.path.join(sweep_dir, "stages")))
     return {"name": name, "storage": storage, "sweep_dir": sweep_dir, "algo": plan.algo, "base": plan.base,
@@ -378,9 +282,8 @@ def _default_concurrency(meta: dict, cluster) -> int:
     return max(1, min(meta["n_trials"], slots(make_config(None, meta["base"]), cluster)))
 
 
-def _run(meta: dict, quiet: bool, resume: bool) -> int:
+def _run(meta: dict, quiet: bool, resume: bool, session: Session) -> int:
     import ray
-    from mlflow.entities import Param
     from ray import tune
 
     cluster = {k: float(v) for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
@@ -408,7 +311,6 @@ def _run(meta: dict, quiet: bool, resume: bool) -> int:
         raise UserError(f"{meta['max_concurrent']} trials at once x {len(base_bundles)} processes each need about "
                         f"{processes * per_process / 2**30:.0f} GiB, the cluster offers {memory / 2**30:.0f} GiB: "
                         f"--max-concurrent {fit} (or raise --clients-per-actor)")
-    client = _parent_run(meta)
     if not resume:
         from rayfl.tracking import setting
 
@@ -417,21 +319,20 @@ def _run(meta: dict, quiet: bool, resume: bool) -> int:
                 "rayfl.role": "sweep", "rayfl.algo": meta["algo"], "rayfl.dataset": base_cfg.dataset,
                 "rayfl.partition": base_cfg.partition,
                 "mlflow.note.content": f"{sweep_plan(meta)}; running.\n\n{setting(base_cfg)}\n"}
-        parent = client.create_run(meta["experiment_id"], run_name=meta["name"], tags=tags)
-        meta["parent_run_id"] = parent.info.run_id
         params = {"algo": meta["algo"], "search": meta["search"], "scheduler": meta["scheduler"],
                   "metric": meta["metric"], "mode": meta["mode"], "num_samples": meta["num_samples"],
                   "n_trials": meta["n_trials"], "max_concurrent": meta["max_concurrent"],
                   "swept": ",".join(meta["swept"]), "space_file": meta["space_path"],
                   "trial_bundles": json.dumps(base_bundles), "stage_cache": meta["stage_cache"]}
-        client.log_batch(meta["parent_run_id"], params=[Param(k, str(v)) for k, v in params.items()])
-        client.log_text(meta["parent_run_id"], yaml.safe_dump(meta["space"], sort_keys=False), "space.yaml")
-        client.log_text(meta["parent_run_id"], yaml.safe_dump(meta["base"], sort_keys=False), "base_config.yaml")
+        parent = session.open_parent(meta["name"], tags, params)
+        meta["parent_run_id"] = parent.run_id
+        parent.log_text(yaml.safe_dump(meta["space"], sort_keys=False), "space.yaml")
+        parent.log_text(yaml.safe_dump(meta["base"], sort_keys=False), "base_config.yaml")
         os.makedirs(meta["sweep_dir"], exist_ok=True)
         with open(os.path.join(meta["sweep_dir"], SWEEP_FILE), "w") as f:
             json.dump(meta, f, indent=1, default=str)
     else:
-        client.update_run(meta["parent_run_id"], status="RUNNING")
+        parent = session.reopen_parent(meta["parent_run_id"])
     print(f"rayfl tune: {sweep_plan(meta)}; {meta['max_concurrent']} at once, each {trial_resources(base_bundles)}; "
           f"optimizing {meta['metric']} ({meta['mode']}, {meta['scheduler']})", flush=True)
     print(f"rayfl tune: sweep directory {meta['sweep_dir']} (resume with --resume {meta['sweep_dir']}); "
@@ -457,11 +358,13 @@ def _run(meta: dict, quiet: bool, resume: bool) -> int:
         search_alg = _search_alg(meta["search"], meta["seed"], meta["max_concurrent"], meta["metric"], meta["mode"])
         num_samples, param_space = meta["num_samples"], _search_space(plan, meta["search"])
 
-    ctx = {k: meta.get(k) for k in ("base", "name", "metric", "swept", "tracking_uri", "experiment_id",
-                                 "parent_run_id", "stage_cache", "sweep_dir", "provenance")}
     from rayfl.plugins import carried
 
-    ctx["plugins"] = carried()  # registered in each trial's process as its ctx arrives (a plugin's algorithm)
+    ctx = TrialContext(base=meta["base"], name=meta["name"], metric=meta["metric"], swept=list(meta["swept"]),
+                       tracking=session.tracking, experiment_id=meta["experiment_id"],
+                       parent_run_id=meta["parent_run_id"], sweep_dir=meta["sweep_dir"],
+                       stage_cache=meta.get("stage_cache") or "", provenance=meta.get("provenance") or {},
+                       plugins=carried())  # registered in each trial's process as its ctx arrives
     trainable = tune.with_resources(tune.with_parameters(run_trial, ctx=ctx),
                                     functools.partial(_pg_factory, base=meta["base"], share=share))
     progress = _progress_callback(meta["metric"], meta["swept"], quiet, meta["n_trials"], already=kept)
@@ -469,12 +372,10 @@ def _run(meta: dict, quiet: bool, resume: bool) -> int:
                                 callbacks=[progress, ledger_callback(meta["sweep_dir"], records)],
                                 # a trial whose own process died is retried, from its own checkpoint
                                 failure_config=tune.FailureConfig(max_failures=int(meta["base"].get("max_restarts", 3))))
-    from rayfl.tracking_outbox import answers, kept_line, server_address
-
     def server_answers() -> bool:  # asked once, when the trials are over (or the sweep was stopped)
         nonlocal reachable
         if reachable is None:
-            reachable = answers(server_address(meta["tracking_uri"]), timeout=3.0)
+            reachable = session.answers()
         return reachable
 
     status, reachable = "FAILED", None
@@ -489,7 +390,7 @@ def _run(meta: dict, quiet: bool, resume: bool) -> int:
                     reuse_actors=True),  # an in-process trial's process, imports and data cache serve the next
                 run_config=run_config)
             tuner.fit()
-        code = _finish(meta, read_records(meta["sweep_dir"], meta["swept"]), client if server_answers() else None)
+        code = _finish(meta, read_records(meta["sweep_dir"], meta["swept"]), parent if server_answers() else None)
         status = "FINISHED" if code == 0 else "FAILED"
         return code
     except KeyboardInterrupt:
@@ -498,35 +399,31 @@ def _run(meta: dict, quiet: bool, resume: bool) -> int:
         return 130
     finally:
         if server_answers():
-            _close_children(client, meta)
-            client.set_terminated(meta["parent_run_id"], status)
+            _close_children(parent, meta)
+            parent.end(status)
         else:  # gone: the parent run is left as it is; the results are in the sweep directory
             print(f"rayfl: warning: the tracking server at {meta['tracking_uri']} did not answer; the sweep's parent "
                   f"run {meta['parent_run_id']} was not updated; the results are in "
                   f"{os.path.join(meta['sweep_dir'], 'results.csv')}", file=sys.stderr)
-        line = kept_line(meta["sweep_dir"], meta["tracking_uri"], "trial(s)")
+        line = session.unsent_line(meta["sweep_dir"], "trial(s)")
         if line:  # the sweep is complete; those trials' MLflow runs are not, until rayfl sync
             print(line, file=sys.stderr)
 
 
-def _close_children(client, meta: dict) -> None:
+def _close_children(parent, meta: dict) -> None:
     """Child runs of trials the scheduler stopped early end as FAILED (their actors went with the trial's
     placement group) and those of an interrupted sweep stay RUNNING: mark both KILLED, and say why."""
     try:
-        runs = client.search_runs([meta["experiment_id"]],
-                                  filter_string=f"tags.mlflow.parentRunId = '{meta['parent_run_id']}'",
-                                  max_results=10_000)
+        runs = parent.children(meta["experiment_id"])
     except Exception:  # noqa: BLE001 - tidying must not hide the real outcome
         return
     stopped = set(meta.get("stopped_trials", ()))
-    for run in runs:
-        trial = run.data.params.get("tune_trial_id")
-        if trial in stopped and run.info.status in ("FAILED", "RUNNING"):
-            client.set_tag(run.info.run_id, "rayfl.stopped", f"early, by the {meta['scheduler']} scheduler")
-            client.set_terminated(run.info.run_id, "KILLED")
-        elif run.info.status == "RUNNING":
-            client.set_tag(run.info.run_id, "rayfl.stopped", "sweep interrupted (see --resume)")
-            client.set_terminated(run.info.run_id, "KILLED")
+    for run_id, params, status in runs:
+        trial = params.get("tune_trial_id")
+        if trial in stopped and status in ("FAILED", "RUNNING"):
+            parent.stop_child(run_id, f"early, by the {meta['scheduler']} scheduler")
+        elif status == "RUNNING":
+            parent.stop_child(run_id, "sweep interrupted (see --resume)")
 
 
 def results_table(records: dict, meta: dict):
@@ -562,9 +459,9 @@ def best_record(records: dict, meta: dict) -> dict | None:
     return max(scored, key=lambda rec: sign * rec["result"][metric]) if scored else None
 
 
-def _finish(meta: dict, records: dict, client) -> int:
-    """The results table printed (and in the sweep directory); the parent run gets it, its plots and the best
-    trial, unless ``client`` is None (its tracking server did not answer)."""
+def _finish(meta: dict, records: dict, parent) -> int:
+    """The results table printed (and in the sweep directory); the parent run (a :class:`rayfl.tracking.ParentRun`)
+    gets it, its plots and the best trial, unless ``parent`` is None (its tracking server did not answer)."""
     df = results_table(records, meta)
     meta["stopped_trials"] = list(df.trial[df.status == "STOPPED"]) if len(df) else []
     run_id, metric = meta["parent_run_id"], meta["metric"]
@@ -578,8 +475,8 @@ def _finish(meta: dict, records: dict, client) -> int:
         shown = df.drop(columns=["mlflow_run_id"], errors="ignore")
         print(shown.to_string(index=False, float_format=lambda v: f"{v:.4f}"))
     best = best_record(records, meta)
-    if client is not None:
-        _log_parent(client, meta, df, path, best)
+    if parent is not None:
+        _log_parent(parent, meta, df, path, best)
     if best is None:
         print(f"\nrayfl tune: no trial reported {metric}; {errors} trial(s) failed", file=sys.stderr)
         return 1
@@ -588,7 +485,7 @@ def _finish(meta: dict, records: dict, client) -> int:
     print(f"\nbest ({metric} {best_metrics[metric]:.4f}, final round): "
           + ", ".join(f"{k}={v}" for k, v in chosen.items()))
     print(summary_table(best_metrics))
-    if client is not None:
+    if parent is not None:
         print(f"\nMLflow: parent run {run_id} in experiment {meta['experiment']!r} at {meta['tracking_uri']}, "
               f"{len(df)} child run(s)")
         from rayfl.progress import mlflow_hint
@@ -599,39 +496,39 @@ def _finish(meta: dict, records: dict, client) -> int:
     return 0
 
 
-def _log_parent(client, meta: dict, df, results_csv: str, best: dict | None) -> None:
+def _log_parent(parent, meta: dict, df, results_csv: str, best: dict | None) -> None:
     """The sweep's parent run: the results table, the metric against each knob, the best trial."""
     import pandas as pd
 
     from rayfl.plots import grid_heatmap, metric_vs_knob
 
-    run_id, metric = meta["parent_run_id"], meta["metric"]
-    client.log_artifact(run_id, results_csv, "results")
+    metric = meta["metric"]
+    parent.log_artifact(results_csv, "results")
     if metric in df:
         for knob in meta["swept"]:
             sub = df[[knob, metric]].dropna()
             if len(sub):
                 if not all(isinstance(v, (int, float)) for v in sub[knob]):
                     sub = sub.assign(**{knob: sub[knob].map(str)})
-                client.log_figure(run_id, metric_vs_knob(sub, knob, metric), f"plots/{metric}_vs_{knob}.png")
+                parent.log_figure(metric_vs_knob(sub, knob, metric), f"plots/{metric}_vs_{knob}.png")
         numeric_knobs = [k for k in meta["swept"] if k in df and pd.api.types.is_numeric_dtype(df[k])]
         on_grid = set(meta["swept"]) <= set(meta["space"]["grid"]) and meta["search"] == "grid"
         if len(meta["swept"]) == len(numeric_knobs) == 2 and on_grid and df[metric].notna().any():
             y, x = meta["swept"]  # the first knob down the rows (PersFL: λ rows, T columns)
-            client.log_figure(run_id, grid_heatmap(df, x, y, metric, meta["mode"]), f"plots/{metric}_{y}_x_{x}.png")
+            parent.log_figure(grid_heatmap(df, x, y, metric, meta["mode"]), f"plots/{metric}_{y}_x_{x}.png")
     if best is None:
         return
     best_metrics = best["result"]
     chosen = {k: best["config"].get(k) for k in meta["swept"]}
-    client.log_dict(run_id, {"best": chosen, metric: best_metrics[metric],
+    parent.log_dict({"best": chosen, metric: best_metrics[metric],
                              "mlflow_run_id": best_metrics.get("mlflow_run_id")}, "best.json")
-    client.log_metric(run_id, f"best_{metric}", float(best_metrics[metric]))
+    parent.log_metric(f"best_{metric}", float(best_metrics[metric]))
     for k, v in chosen.items():
-        client.set_tag(run_id, f"best.{k}", str(v))
+        parent.set_tag(f"best.{k}", str(v))
     best_run = best_metrics.get("mlflow_run_id")
     try:
-        best_run = (best_run, client.get_run(best_run).info.run_name) if best_run else None
+        best_run = (best_run, parent.run_name(best_run)) if best_run else None
     except Exception:  # noqa: BLE001 - the description links it when it can
         best_run = None
-    client.set_tag(run_id, "mlflow.note.content",
+    parent.set_tag("mlflow.note.content",
                    sweep_markdown(meta, df, {**chosen, metric: best_metrics[metric]}, best_run))

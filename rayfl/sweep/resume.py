@@ -327,18 +327,16 @@ def prepare_resume(sweep_dir: str, tracking_uri: str | None = None, stage_cache:
 
 
 def _check_parent(meta: dict) -> None:
-    from mlflow import MlflowClient
-
-    from rayfl.tracking import store_error
+    from rayfl.tracking import run_experiment, store_error
 
     try:
-        run = MlflowClient(meta["tracking_uri"]).get_run(meta["parent_run_id"])
+        experiment_id = run_experiment(meta["tracking_uri"], meta["parent_run_id"])
     except Exception as e:  # noqa: BLE001 - MLflow's errors for a missing run or store vary
         if "not found" in str(e).lower() or "RESOURCE_DOES_NOT_EXIST" in str(e):
             raise UserError(f"tracking_uri={meta['tracking_uri']!r}: the sweep's MLflow parent run "
                             f"{meta['parent_run_id']} is not there; resume with the store the sweep logged to "
                             f"(--tracking-uri)") from None
         raise UserError(store_error(meta["tracking_uri"], meta["experiment"], e)) from None
-    if run.info.experiment_id != meta["experiment_id"]:
+    if experiment_id != meta["experiment_id"]:
         raise UserError(f"{os.path.join(meta['sweep_dir'], SWEEP_FILE)}: experiment_id={meta['experiment_id']!r}: "
-                        f"the parent run {meta['parent_run_id']} is in experiment {run.info.experiment_id}")
+                        f"the parent run {meta['parent_run_id']} is in experiment {experiment_id}")

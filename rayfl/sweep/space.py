@@ -17,6 +17,7 @@ from typing import Any
 
 
 from rayfl.config import FIELDS, UserError, load_yaml, make_config, shown
+from rayfl.specs import MAX_TRIALS  # noqa: F401 - the sweep's bound, re-exported
 from rayfl.user_input import same_value
 
 SECTIONS = ("fixed", "grid", "random")
@@ -109,7 +110,6 @@ def load_space(path: str) -> Space:
     return space
 
 
-MAX_TRIALS = 10_000  # trials of one sweep (grid points x samples): Tune builds each before the first runs
 
 
 

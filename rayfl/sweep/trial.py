@@ -10,11 +10,32 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import dataclass, field
+from typing import Any
 
 from rayfl.config import FIELDS, make_config
+from rayfl.specs import TrackingSpec
 from rayfl.sweep.placement import bundle_total
 from rayfl.sweep.records import sampled, trial_key
 from rayfl.sweep.space import trial_values
+
+
+@dataclass(frozen=True)
+class TrialContext:
+    """What every trial of a sweep shares, handed to each trial's process by Tune: the base config, the sweep's
+    name, metric and swept knobs, where its runs are logged (the parent run's children) and kept."""
+
+    base: dict  # the config values every trial starts from
+    name: str  # the sweep's name
+    metric: str
+    swept: list[str]
+    tracking: TrackingSpec
+    experiment_id: str
+    parent_run_id: str
+    sweep_dir: str
+    stage_cache: str = ""  # "": off
+    provenance: dict = field(default_factory=dict)
+    plugins: Any = None  # rayfl.plugins.carried(): registers the sweep's plugins in the trial's process as it arrives
 
 
 def _show(value) -> str:
@@ -32,7 +53,7 @@ def trial_name(swept: dict, values: dict) -> str:
 # --------------------------------------------------------------------------------------------------
 # The trial: one experiment inside the trial's placement group
 # --------------------------------------------------------------------------------------------------
-def run_trial(config: dict, ctx: dict) -> None:
+def run_trial(config: dict, ctx: TrialContext) -> None:
     from ray import tune
     from ray.util import get_current_placement_group
 
@@ -43,8 +64,8 @@ def run_trial(config: dict, ctx: dict) -> None:
     # its key: the trial it continues (a resumed sweep), else its own id; it names its checkpoint directory
     trial_id = trial_key(config, tune.get_context().get_trial_id())
     config = sampled(config)
-    values = trial_values(ctx["base"], config)
-    values["stage_cache"] = ctx.get("stage_cache") or ""  # trials that agree up to a stage share it ("": off)
+    values = trial_values(ctx.base, config)
+    values["stage_cache"] = ctx.stage_cache  # trials that agree up to a stage share it ("": off)
     if not values.get("checkpoint_every"):
         values["checkpoint_every"] = 1  # a trial Tune retries after its process died goes on from its last round
     cfg = make_config(None, values)
@@ -52,14 +73,13 @@ def run_trial(config: dict, ctx: dict) -> None:
 
     pg = get_current_placement_group()
     bundles = pg.bundle_specs
-    swept = {k: config[k] for k in ctx["swept"] if k in config}
-    tracking = {"tracking_uri": ctx["tracking_uri"], "experiment_id": ctx["experiment_id"],
-                "parent_run_id": ctx["parent_run_id"], "run_name": trial_name(swept, values),
-                "tags": {**(ctx.get("provenance") or {}), "rayfl.role": "trial", "rayfl.sweep": ctx["name"],
-                         "rayfl.trial": trial_id},
-                "extra_params": {"tune_role": "trial", "tune_trial_id": trial_id, "tune_sweep": ctx["name"],
-                                 "tune_swept": ",".join(ctx["swept"]), "tune_bundles": json.dumps(bundles)}}
-    metric = ctx["metric"]
+    swept = {k: config[k] for k in ctx.swept if k in config}
+    tracking = ctx.tracking.for_run(
+        trial_name(swept, values), experiment_id=ctx.experiment_id, parent_run_id=ctx.parent_run_id,
+        tags={**ctx.provenance, "rayfl.role": "trial", "rayfl.sweep": ctx.name, "rayfl.trial": trial_id},
+        extra_params={"tune_role": "trial", "tune_trial_id": trial_id, "tune_sweep": ctx.name,
+                      "tune_swept": ",".join(ctx.swept), "tune_bundles": json.dumps(bundles)})
+    metric = ctx.metric
     state = {"metric": None, "held": None, "rounds_run": 0, "reused": 0}
 
     def on_round(rec: dict) -> None:
@@ -80,7 +100,7 @@ def run_trial(config: dict, ctx: dict) -> None:
         tune.report(result)
 
     t0 = time.time()
-    checkpoint_dir = os.path.join(ctx["sweep_dir"], "trials", trial_id)
+    checkpoint_dir = os.path.join(ctx.sweep_dir, "trials", trial_id)
     resumed = Loop.has_checkpoint(checkpoint_dir)  # Tune retried this trial: it goes on from its own rounds
     if len(bundles) == 1:  # the trial's share holds one client actor: its clients live in this process
         import ray

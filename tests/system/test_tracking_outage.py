@@ -218,7 +218,7 @@ def test_a_comparison_whose_server_is_gone_keeps_its_table_and_records_and_sync_
     """``rayfl compare`` against a server killed once its run's MLflow run exists: the comparison ends (exit
     0) with its table on disk and one line giving ``rayfl sync`` of its directory, which then sends the
     parent's table and the run's rounds to a server on the same store, once."""
-    from rayfl.tracking_outbox import kept_runs
+    from rayfl.tracking.outbox import kept_runs
 
     folder = tmp_path / "runs" / "compare" / "gone"
     out, _ = run_until_the_server_goes(
@@ -434,7 +434,7 @@ def test_sync_delivers_an_outbox_once_and_reads_back_what_it_wrote(tmp_path):
     from mlflow.entities import Metric
 
     import rayfl
-    from rayfl.tracking_outbox import Outbox, outbox_dir
+    from rayfl.tracking.outbox import Outbox, outbox_dir
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     client = MlflowClient(uri)
@@ -469,7 +469,7 @@ def test_sync_delivers_an_outbox_once_and_reads_back_what_it_wrote(tmp_path):
 def test_a_store_that_rejects_a_record_ends_the_run_failed_not_left_running(tmp_path, monkeypatch):
     """A store that answers but rejects what it is sent (not one that is away) ends the run at a later round,
     and the MLflow run is closed as FAILED."""
-    from rayfl import tracking_outbox
+    from rayfl.tracking import outbox as tracking_outbox
 
     original = tracking_outbox.deliver
 

@@ -157,7 +157,7 @@ def test_a_numbers_only_table_is_written_by_arrow_and_reads_back_exactly(tmp_pat
     and missing keys empty, an integer column with gaps, a column with no value at all."""
     import pandas as pd
 
-    from rayfl import tracking
+    from rayfl.tracking import tables as tracking
 
     rng = np.random.default_rng(0)
     records, ids = {}, rng.choice(10**6, size=300, replace=False)
@@ -198,8 +198,8 @@ def test_quick_rounds_share_store_calls_and_every_value_arrives(tmp_path, monkey
     sent within METRICS_EVERY even if no other round follows."""
     import time
 
-    from rayfl import tracking
-    from rayfl.tracking_outbox import Outbox, Sender
+    from rayfl.tracking import callback as tracking
+    from rayfl.tracking.outbox import Outbox, Sender
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     calls, table_calls = [], []
@@ -371,7 +371,7 @@ def test_the_writer_yields_the_cpu_once_the_store_is_open(tmp_path):
     import os
     import threading
 
-    from rayfl import tracking
+    from rayfl.tracking import writer as tracking
 
     seen = []
     tracker = MlflowTracker(f"sqlite:///{tmp_path}/mlflow.db", experiment="e")
@@ -420,7 +420,7 @@ def test_the_run_tags_what_tracking_cost_its_rounds_last_batch_included(tmp_path
     hold that batch; the tag rayfl.tracking_cpu_seconds does. Sending a batch is made to cost 0.2 s of CPU."""
     import time
 
-    from rayfl import tracking
+    from rayfl.tracking import callback as tracking
 
     monkeypatch.setattr(tracking, "METRICS_EVERY", 1e9)  # every metric goes in the last batch
     sends = []

@@ -555,7 +555,7 @@ def test_a_tracking_server_that_does_not_serve_is_one_line_within_10_s(command, 
 
 
 def test_the_health_check_lets_an_answering_server_through():
-    from rayfl.tracking_store import tracking_server_problem
+    from rayfl.tracking.store import tracking_server_problem
 
     server = Listener(b"HTTP/1.1 401 Unauthorized\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
     try:

@@ -236,3 +236,45 @@ def test_the_graph_sees_every_kind_of_import(tmp_path):
     assert sorted(cycles(graph)) == [["rayfl.a", "rayfl.b", "rayfl.a"],
                                      ["rayfl.actors.d", "rayfl.c", "rayfl.actors.d"],
                                      ["rayfl.g", "rayfl.g.top", "rayfl.h", "rayfl.g"]]
+
+
+def mlflow_importers(dirs: dict[str, str] | None = None) -> set[str]:
+    """The modules that import MLflow anywhere in their source (module level, functions, ``import_module`` or
+    ``__import__`` with a literal name), found with ``ast`` (nothing is imported)."""
+    def is_mlflow(name: str) -> bool:
+        return name == "mlflow" or name.startswith("mlflow.")
+
+    users = set()
+    for mod, path in module_files(dirs or package_dirs()).items():
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) and (
+                    _is_import_module(node.func) or (isinstance(node.func, ast.Name) and node.func.id == "__import__")):
+                names = [str(node.args[0].value)]
+            if any(is_mlflow(n) for n in names):
+                users.add(mod)
+    return users
+
+
+def test_only_the_tracking_package_imports_mlflow():
+    """MLflow is behind one port: every module that imports it is rayfl.tracking or below it."""
+    users = mlflow_importers()
+    outside = sorted(m for m in users if m != "rayfl.tracking" and not m.startswith("rayfl.tracking."))
+    assert "rayfl.tracking.callback" in users and "rayfl.tracking.runs" in users  # the scan sees imports
+    assert not outside, f"modules outside rayfl/tracking/ that import mlflow: {outside}"
+
+
+def test_the_mlflow_scan_sees_every_way_of_importing_it(tmp_path):
+    """Each form an import of MLflow can take is found, in a function too; a name that only starts with
+    "mlflow" (``mlflow_hint``) or a relative import is not MLflow."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    forms = {"a": "import mlflow\n", "b": "def f():\n    from mlflow.entities import Metric\n",
+             "c": "import importlib\nimportlib.import_module('mlflow.tracking')\n", "d": "__import__('mlflow')\n",
+             "e": "import os, mlflow.tracking as t\n", "quiet": "from rayfl.progress import mlflow_hint\nimport mlflowx\n"}
+    for name, source in forms.items():
+        (pkg / f"{name}.py").write_text(source)
+    assert mlflow_importers({"rayfl": str(pkg)}) == {"rayfl.a", "rayfl.b", "rayfl.c", "rayfl.d", "rayfl.e"}

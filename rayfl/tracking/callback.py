@@ -1,4 +1,4 @@
-"""MLflow tracking as a loop callback: the only place in rayfl that calls MLflow during a run.
+"""MLflow tracking as a loop callback: what a run logs, and when.
 
 One MLflow run per experiment (a child of a sweep's parent run under Tune): every resolved config value
 as a param, per-round summary metrics with ``step=round``, per-client values as one table artifact per
@@ -12,7 +12,7 @@ Everything, from importing MLflow and opening the store and the experiment to cr
 one background thread (:class:`Writer`): a driver starts it while its client actors start, the run exists
 before the first round, and no round waits on the tracking store after that. The writer turns each round into
 records (metrics, and files written straight into the run directory's outbox); a second thread
-(:class:`rayfl.tracking_outbox.Sender`) sends them, and waits out a tracking server that stops answering with
+(:class:`rayfl.tracking.outbox.Sender`) sends them, and waits out a tracking server that stops answering with
 the records kept. Rounds shorter than a second share one call to the store for their metrics and one for their
 files; what the two threads cost is logged with each round (``tracking_cpu_seconds``: their CPU time since the
 round before, which holds the batches sent so far) and for all rounds (the tag ``rayfl.tracking_cpu_seconds``,
@@ -26,15 +26,10 @@ process killed outright loses the metrics it had not sent, not its files.
 
 from __future__ import annotations
 
-import csv
 import dataclasses
-import itertools
-import math
 import os
-import queue
 import shutil
 import tempfile
-import threading
 import time
 from typing import Callable
 
@@ -44,42 +39,12 @@ import yaml
 from rayfl import privacy
 from rayfl.config import UserError
 from rayfl.loop import Callback
+from rayfl.tracking.store import ensure_experiment, store_error
+from rayfl.tracking.tables import (CLIENT_PREFIX, _with_headline, client_table, final_summary, numeric, pick_rounds,
+                                   rounds_table, setting, summary_markdown, write_client_table)
+from rayfl.tracking.writer import Writer, yield_cpu
 
-DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
-CLIENT_PREFIX = "client/"  # per-client metrics: client/<id>/test_acc
-WRITER_NICER = 4  # the writer thread's niceness above its process's (Ray's workers run at 15)
 METRICS_EVERY = 1.0  # seconds: the most a metric waits for its batch to be sent to the store
-# The run page's model-metrics tab lays its charts out by metric key (MLflow 3.17, RunsChartsCardConfig
-# .getBaseChartAndSectionConfigs: a key's section is what comes before its last "/", sections in alphabetical
-# order before the unprefixed "Model metrics" one, charts sorted by key within a section; the layout a user
-# makes is kept in the browser, none can be saved with a run). The three headline curves are therefore also
-# logged as "accuracy/test mean", "accuracy/test worst", "accuracy/test worst 10pct" (the bottom-10% mean;
-# "loss/..." for regression): a section that sorts before "client/<id>" and "setup", charts in that order,
-# so the tab opens on them, timings and diagnostics below.
-HEADLINE = {"mean": "test mean", "worst": "test worst", "bottom10_mean": "test worst 10pct"}
-
-
-def headline(metrics: dict[str, float]) -> dict[str, float]:
-    """The round's test accuracy (loss for regression) mean, worst client and bottom-10% mean under the
-    names the run page shows first."""
-    kind = "acc" if "test_acc_mean" in metrics else "loss"
-    section = "accuracy" if kind == "acc" else "loss"
-    return {f"{section}/{name}": metrics[f"test_{kind}_{stat}"] for stat, name in HEADLINE.items()
-            if f"test_{kind}_{stat}" in metrics}
-
-
-def _with_headline(metrics: dict[str, float]) -> dict[str, float]:
-    """The headline first, then test and validation summaries, then the rest: the run's Overview lists its
-    metrics in the order they were first logged."""
-    first = {k: v for k, v in metrics.items() if k.startswith(("test_", "val_"))}
-    return {**headline(metrics), **dict(sorted(first.items(), key=lambda kv: not kv[0].startswith("test_"))),
-            **metrics}
-
-
-def pick_rounds(total: int, k: int = 5) -> list[int]:
-    """``k`` rounds spread over 1..total, the first and the last among them: those a round-by-round matrix
-    is drawn at."""
-    return sorted({int(round(x)) for x in np.linspace(1, total, min(k, total))}) if total > 0 else []
 
 
 def _partition_report(prepared, given: dict | None):
@@ -88,250 +53,15 @@ def _partition_report(prepared, given: dict | None):
     return PartitionReport.from_dict(given) if given else PartitionReport.of(prepared)
 
 
-def client_table(per_client: dict[int, dict], info):
-    """A row per client: its results first (test, then validation, then any other split's accuracy and loss),
-    then split sizes, then its group where the partition has groups, then the rest."""
-    import pandas as pd
-
-    rows = [{"client": c, **rec, "n_train": info.n_train[c], **({"group": info.groups[c]} if info.groups else {})}
-            for c, rec in sorted(per_client.items())]
-    df = pd.DataFrame(rows)
-    cols = list(df.columns)
-    results = [c for split in ("test", "val") for c in (f"{split}_acc", f"{split}_loss") if c in cols]
-    results += [c for c in cols if c.endswith(("_acc", "_loss")) and c not in results]
-    sizes = ["n_train", *(c for c in cols if c.startswith("n_") and c != "n_train")]
-    first = ["client", *results, *sizes, *(["group"] if "group" in cols else [])]
-    return df[first + [c for c in cols if c not in first]]
-
-
-def rounds_table(history: list[dict]):
-    """A row per round, numbered from 1 as on the console and in MLflow's steps."""
-    import pandas as pd
-
-    df = pd.DataFrame(history)
-    if "step" in df:
-        df.insert(0, "round", df.pop("step") + 1)
-    return df
-
-
-def final_summary(final: dict) -> dict:
-    """The final round's metrics, naming the round (from 1) and its stage."""
-    out = {"round": int(final["step"]) + 1} if "step" in final else {}
-    if "stage" in final:
-        out["stage"] = final["stage"]
-    return {**out, **{k: v for k, v in numeric(final, finite_only=False).items() if k != "step"}}
-
-
-def setting(cfg, final: dict | None = None) -> str:
-    """What ran, in one line (rayfl.provenance.describe), with the ε a private run reached."""
-    from rayfl.provenance import describe
-
-    return describe(cfg) + privacy.describe(cfg, final)
-
-
-def summary_markdown(cfg, final: dict, total: int, report=None, setting: str = "") -> str:
-    """The run's description, what its Overview shows of it before "Show more": the final round's mean, worst
-    client and bottom 10% as a table (first, so that it is not folded away), then the setting and the
-    partition report. MLflow draws the table without cell padding: the header cells carry an em space."""
-    where = f"final round {int(final['step']) + 1} of {total}" if "step" in final else "final round"
-    stage = f" ({final['stage']})" if final.get("stage") else ""
-    lines = [f"| {where}{stage} &emsp; | mean &emsp; | worst client &emsp; | bottom 10% &emsp; |", "|---|---|---|---|"]
-    for split, name in (("test", "test"), ("val", "validation")):
-        for kind, what in (("acc", "accuracy"), ("loss", "loss")):
-            if f"{split}_{kind}_mean" in final and (kind == "acc" or "test_acc_mean" not in final):
-                values = [final.get(f"{split}_{kind}_{s}", float("nan")) for s in ("mean", "worst", "bottom10_mean")]
-                shown = [f"{v:.2%}" if kind == "acc" else f"{v:.4f}" for v in values]
-                shown = [f"**{v}**" for v in shown] if split == "test" else shown
-                lines.append(f"| {name} {what} | " + " | ".join(shown) + " |")
-    lines += ["", setting or cfg.algo]
-    if report is not None:
-        lines += ["", f"Partition: {report.line()}."]
-        warning = report.warning()
-        if warning:
-            lines += ["", f"**Warning:** {warning}."]
-    return "\n".join(lines) + "\n"
-
-
-def resolve_tracking_uri(uri: str | None) -> str:
-    """The flag, else MLFLOW_TRACKING_URI, else a local sqlite file; local paths made absolute
-    so that actors whose working directory differs write to the same store."""
-    if not uri and os.environ.get("MLFLOW_TRACKING_URI"):  # checked as the flag is, named as what it is
-        from rayfl.config import check_tracking_uri
-        from rayfl.user_input import UserError
-
-        uri = os.environ["MLFLOW_TRACKING_URI"]
-        try:
-            check_tracking_uri(uri)
-        except UserError as e:
-            raise UserError(f"$MLFLOW_TRACKING_URI: {e}") from None
-    uri = uri or DEFAULT_TRACKING_URI
-    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
-        uri = "sqlite:///" + os.path.abspath(uri[len("sqlite:///"):])
-    elif ":" not in uri and uri not in ("databricks", "databricks-uc", "uc"):  # a plain path: a file store
-        uri = os.path.abspath(os.path.expanduser(uri))
-    return uri
-
-
-def store_error(uri: str, experiment: str, e: Exception) -> str:
-    """A tracking store that cannot be opened, in one line."""
-    detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return f"tracking_uri={uri!r}: cannot open experiment {experiment!r} there ({type(e).__name__}: {detail[:200]})"
-
-
-def ensure_experiment(uri: str, name: str) -> str:
-    """Experiment id for ``name``, created if missing, with a sqlite store's artifacts beside its database."""
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(uri)
-    exp = client.get_experiment_by_name(name)
-    return exp.experiment_id if exp else client.create_experiment(name, artifact_location=artifact_root(uri))
-
-
-def artifact_root(uri: str) -> str | None:
-    """Where a new experiment of a sqlite store keeps its artifacts: ``mlruns`` beside the database file.
-    MLflow's default, ``./mlruns``, is resolved against the working directory of whichever process creates
-    the experiment, which on a cluster is a Ray worker's. None: the store's own default (a server's)."""
-    if uri.startswith("sqlite:///"):
-        return os.path.join(os.path.dirname(os.path.abspath(uri[len("sqlite:///"):])), "mlruns")
-    return None
-
-
-def numeric(metrics: dict, finite_only: bool = True) -> dict[str, float]:
-    """The plain numbers of a metrics dict; NaN and infinities are kept only when ``finite_only`` is off
-    (MLflow stores them, and a diverged run should show as one)."""
-    return {k: float(v) for k, v in metrics.items()
-            if isinstance(v, (int, float, np.floating, np.integer)) and not isinstance(v, bool)
-            and (not finite_only or math.isfinite(float(v)))}
-
-
-def write_client_table(path: str, round_no: int, per_client: dict[int, dict]) -> None:
-    """A round's per-client records as CSV, a row per client and a column per key (empty where a record has
-    none, or NaN), reading back as pandas' to_csv of the same records does. At 1,000 clients this runs every
-    round in the driver's process: the numbers are formatted by Arrow's C++ writer, which releases the GIL
-    (the csv module held it about 3 ms a round, and the loop's thread waited), and by the csv module when a
-    column holds anything else."""
-    cids = sorted(per_client)
-    records = [per_client[c] for c in cids]
-    keys = list(dict.fromkeys(itertools.chain.from_iterable(records)))  # first seen first
-    rows = [[round_no] * len(cids), cids, *(list(map(dict.get, records, itertools.repeat(k))) for k in keys)]
-    table = _numbers_table(rows)
-    with open(path, "w", newline="") as f:
-        out = csv.writer(f, lineterminator="\n")
-        out.writerow(["round", "client", *keys])
-        if table is None:
-            out.writerows(zip(*([None if v is None or v != v else v for v in column]  # v != v: NaN
-                                for column in rows)))
-    if table is not None:
-        import pyarrow as pa
-        import pyarrow.csv as pcsv
-
-        with pa.OSFile(path, "ab") as sink:
-            pcsv.write_csv(table, sink, write_options=pcsv.WriteOptions(include_header=False, quoting_style="none"))
-
-
-def _numbers_table(columns: list[list]):
-    """``columns`` as an Arrow table that its CSV writer writes as pandas would, or None unless every column
-    holds only numbers and None."""
-    try:
-        import pyarrow as pa
-        import pyarrow.compute as pc
-    except ImportError:  # MLflow brings pyarrow; without it, the csv module writes the table
-        return None
-    arrays = []
-    for column in columns:
-        try:
-            array = pa.array(column)
-        except (pa.ArrowInvalid, pa.ArrowTypeError):  # numbers mixed with other things
-            return None
-        if pa.types.is_floating(array.type):  # a float32 as numpy writes it; NaN empty
-            values = array.to_numpy(zero_copy_only=False)
-            nan = np.isnan(values)
-            if nan.any():
-                array = pc.if_else(pc.is_nan(array), None, array)
-            values = values[~nan]
-            if values.size and (np.floor(values) == values).all():  # Arrow writes 1.0 as 1: pandas would read
-                text = pc.cast(array, pa.string())  # integers back (a column with a 0.5 in it reads as floats)
-                bare = pc.match_substring_regex(text, r"^-?[0-9]+$")
-                array = pc.if_else(bare, pc.binary_join_element_wise(text, ".0", ""), text)
-        elif not (pa.types.is_integer(array.type) or pa.types.is_null(array.type)):
-            return None  # booleans (Arrow writes true, not True)
-        arrays.append(array)
-    return pa.table(arrays, names=[str(i) for i in range(len(arrays))])
-
-
-def yield_cpu() -> None:
-    """The calling thread WRITER_NICER below its process (Linux sets niceness per thread): it takes the CPU
-    that the rounds' threads and processes leave."""
-    try:
-        me = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, me, min(19, os.getpriority(os.PRIO_PROCESS, me) + WRITER_NICER))
-    except (AttributeError, OSError):
-        pass
-
-
-class Writer:
-    """One background thread that runs logging jobs in order; ``flush`` waits for all of them and re-raises
-    the first error, so a failing store is reported instead of silently dropping values. ``idle`` runs
-    whenever no job came for ``every`` seconds, and before a flush completes (sending what jobs batched)."""
-
-    def __init__(self, idle: Callable[[], None] = lambda: None, every: float = 1.0):
-        self.cpu_seconds = 0.0  # CPU time this thread has spent on jobs: what tracking costs the run
-        self._jobs: queue.Queue = queue.Queue()
-        self._error: BaseException | None = None
-        self._reported = False
-        self._idle, self._every = idle, every
-        self._thread = threading.Thread(target=self._work, name="rayfl-mlflow-writer", daemon=True)
-        self._thread.start()
-
-    def submit(self, job: Callable[[], None]) -> None:
-        self._jobs.put(job)
-
-    def _work(self) -> None:
-        while True:
-            try:
-                job = self._jobs.get(timeout=self._every)
-            except queue.Empty:
-                self._run(self._idle)
-                continue
-            try:
-                if job is None:
-                    return
-                self._run(job)
-            finally:
-                self._jobs.task_done()
-
-    def _run(self, job: Callable[[], None]) -> None:
-        if self._error is None:
-            t0 = time.thread_time()
-            try:
-                job()
-            except BaseException as e:  # noqa: BLE001 - kept (every later job skipped) and raised once
-                self._error = e
-            self.cpu_seconds += time.thread_time() - t0
-
-    def check(self) -> None:
-        """Raise the first error of a job, once, without waiting for the queue."""
-        if self._error is not None and not self._reported:
-            self._reported = True
-            raise self._error
-
-    def flush(self) -> None:
-        self._jobs.put(self._idle)
-        self._jobs.join()
-        self.check()
-
-    def close(self) -> None:
-        self._jobs.put(None)
-        self._thread.join()
-
-
 class MlflowTracker(Callback):
     def __init__(self, tracking_uri: str, experiment_id: str | None = None, run_name: str | None = None,
                  parent_run_id: str | None = None, extra_params: dict | None = None, tags: dict | None = None,
                  run_id: str | None = None, experiment: str | None = None, partition: dict | None = None):
         """``experiment_id``, or ``experiment``: a name, the experiment opened (created if missing) by the
         writer; ``tags``: the submitting process's provenance (rayfl.provenance.origin) and the sweep's own;
-        ``run_id``: an MLflow run to reopen and go on with (a driver restarted after its predecessor died);
+        ``run_id``: an MLflow run to reopen and go on with (a driver restarted after its predecessor died, a run
+        resumed from its checkpoint: its submitter says which); ``on_run`` (an attribute) is told the run's id
+        once the run exists, before its first round;
         ``partition``: the submitter's :class:`rayfl.data.report.PartitionReport` as a dict (a Ray driver's
         dataset has no labels to count; without it the report holds split sizes only)."""
         self.uri = tracking_uri
@@ -342,10 +72,11 @@ class MlflowTracker(Callback):
         self.extra_params = extra_params or {}
         self.run_id: str | None = None
         self.reopen = run_id
+        self.on_run: Callable[[str], None] = lambda run_id: None  # told the run's id once it exists
         self.client_metrics = False
         self.writer: Writer | None = None
-        self.sender = None  # rayfl.tracking_outbox.Sender, once the run exists
-        self.outbox = None  # rayfl.tracking_outbox.Outbox in the run directory
+        self.sender = None  # rayfl.tracking.outbox.Sender, once the run exists
+        self.outbox = None  # rayfl.tracking.outbox.Outbox in the run directory
         self.wait = 300.0  # tracking_wait: the most the run's end waits for a server that does not answer
         self.unsent: str | None = None  # the outbox directory, when the run ended with records not sent
         self._pending: list = []  # metrics waiting for the writer's next batch
@@ -488,7 +219,7 @@ class MlflowTracker(Callback):
         """The run is created (or reopened) by the writer, and exists before the first round: MLflow's imports
         and store would otherwise slow the first rounds, and a store that cannot be opened ends the run here."""
         from rayfl.provenance import run_tags
-        from rayfl.tracking_outbox import Outbox, Sender, outbox_dir
+        from rayfl.tracking.outbox import Outbox, Sender, outbox_dir
 
         self.open()
         self.algo = loop.cfg.algo
@@ -499,9 +230,7 @@ class MlflowTracker(Callback):
         else:
             root = self._scratch = tempfile.mkdtemp(prefix="rayfl-mlflow-")
         self.outbox = Outbox(outbox_dir(root))
-        resume_file = os.path.join(loop.checkpoint_dir, "mlflow_run_id") if loop.checkpoint_dir else None
-        resumed = bool(loop.start_step > 0 and resume_file and os.path.isfile(resume_file))
-        reopen = self.reopen or (open(resume_file).read().strip() if resumed else None)
+        reopen = self.reopen
         cfg, info = loop.cfg, loop.prepared.info
         placement = loop.runtime.placement()
         params = {**cfg.to_flat(), "model_resolved": loop.prepared.model_spec.name, "n_params": info.n_params,
@@ -560,10 +289,7 @@ class MlflowTracker(Callback):
                                  for k, v in _with_headline(numeric(h, finite_only=False)).items() if k != "step"])
                 self._log_tags({"rayfl.stage_reused": reuse[0], "rayfl.stage_key": reuse[1]})
             self._send_metrics()
-            if resume_file:
-                os.makedirs(loop.checkpoint_dir, exist_ok=True)
-                with open(resume_file, "w") as f:
-                    f.write(self.run_id)
+            self.on_run(self.run_id)  # before the first round: whoever submitted the run learns its id
 
         self._submit(begin)
         self.writer.flush()
@@ -683,7 +409,7 @@ class MlflowTracker(Callback):
         """Drain the writer (raising its first error), then have the sender deliver everything and the run's
         end (``status``), waiting at most ``wait`` seconds for a tracking server that does not answer; what is
         left then stays in the outbox (``self.unsent``), for ``rayfl sync``."""
-        from rayfl.tracking_outbox import server_address, sync
+        from rayfl.tracking.outbox import server_address, sync
 
         error = None
         try:
@@ -757,20 +483,3 @@ def unsent_line(run_dir: str, uri: str, wait: float) -> str:
     return (f"rayfl: warning: the tracking server at {uri} did not answer within tracking_wait={wait:g} s; the "
             f"results are complete, the MLflow records not sent are kept in {os.path.join(run_dir, 'mlflow_outbox')}"
             f"; send them with: rayfl sync {run_dir}")
-
-
-def close_run(uri: str, run_id: str, status: str) -> None:
-    """End an MLflow run that its driver could not end (killed in a round), if the store answers within a few
-    seconds and the run is still RUNNING; what it holds is kept."""
-    from mlflow.tracking import MlflowClient
-
-    from rayfl.tracking_outbox import answers, server_address
-
-    if not answers(server_address(uri), timeout=3.0):
-        return
-    try:
-        client = MlflowClient(uri)
-        if client.get_run(run_id).info.status == "RUNNING":
-            client.set_terminated(run_id, status)
-    except Exception:  # noqa: BLE001 - best effort on the way out of an interrupted run
-        pass

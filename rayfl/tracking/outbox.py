@@ -26,43 +26,19 @@ import json
 import math
 import os
 import shutil
-import socket
 import threading
 import time
-import urllib.parse
 from collections import deque
 
+from rayfl.tracking.store import PROBE_TIMEOUT_S, answers, server_address  # noqa: F401 - re-exported
+
 OUTBOX = "mlflow_outbox"
-PROBE_TIMEOUT_S = 1.0  # a TCP connect to the tracking server: is it there at all
 RETRY_EVERY_S = 2.0  # while it is not, how often the sender looks again
 BATCH = {"metrics": 1000, "params": 100, "tags": 100}  # MLflow's limits per log_batch call
 
 
 def outbox_dir(run_dir: str) -> str:
     return os.path.join(run_dir, OUTBOX)
-
-
-def server_address(uri: str) -> tuple[str, int] | None:
-    """(host, port) of an http(s) tracking URI, else None (a local store has no server to lose)."""
-    if not uri.startswith(("http://", "https://")):
-        return None
-    url = urllib.parse.urlparse(uri)
-    try:
-        port = url.port or (443 if url.scheme == "https" else 80)
-    except ValueError:
-        return None
-    return (url.hostname, port) if url.hostname else None
-
-
-def answers(address: tuple[str, int] | None, timeout: float = PROBE_TIMEOUT_S) -> bool:
-    """Whether something accepts a TCP connection at ``address`` (always, for a local store)."""
-    if address is None:
-        return True
-    try:
-        socket.create_connection(address, timeout=timeout).close()
-    except OSError:
-        return False
-    return True
 
 
 def _number(value: float):
@@ -293,6 +269,13 @@ def _metric_id(m: tuple) -> tuple:
     """(key, step, value, timestamp), NaN compared as its text (NaN != NaN)."""
     key, step, value, ts = m
     return key, step, _number(value), ts
+
+
+def metrics_record(values: dict[str, float], step: int, timestamp: int) -> tuple:
+    """("metrics", [Metric]): ``values`` at ``step`` as one record for :meth:`Outbox.spill` or :func:`deliver`."""
+    from mlflow.entities import Metric
+
+    return ("metrics", [Metric(k, v, timestamp, step) for k, v in values.items()])
 
 
 def deliver(client, run_id: str, files_root: str, rec: tuple) -> None:
@@ -545,7 +528,7 @@ def sync_target(run_dir: str, run: dict, tracking_uri: str | None) -> str:
     already there (sync never makes a database or a store directory) or a server that answers its health check
     within seconds."""
     from rayfl.config import check_tracking_uri, shown, tracking_scheme
-    from rayfl.tracking_store import check_tracking_store, tracking_server_problem
+    from rayfl.tracking.store import check_tracking_store, tracking_server_problem
     from rayfl.user_input import UserError
 
     recorded = tracking_uri is None
