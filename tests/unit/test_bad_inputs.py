@@ -198,7 +198,7 @@ CASES = [
      "tracking_uri='http://127.0.0.1:1': cannot open experiment 'rayfl' there (no server answers at 127.0.0.1:1: "
      "Connection refused)"),
     ("tracking_file_store", run("--tracking-uri", "{t}/mlruns_here"),
-     "mlruns_here': a file store; MLflow 3 refuses its filesystem backend unless "
+     ": a file store; MLflow 3 refuses its filesystem backend unless "
      "MLFLOW_ALLOW_FILE_STORE=true is set: use sqlite:///PATH"),
     ("tracking_file_scheme", run("--tracking-uri", "file:///{t}/mlruns"), "a file store; MLflow 3 refuses"),
     ("run_name_slash", run("--run-name", "a/b"), "run_name='a/b': must be a non-empty name without '/'"),
