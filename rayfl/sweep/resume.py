@@ -316,12 +316,18 @@ def prepare_resume(sweep_dir: str, tracking_uri: str | None = None, stage_cache:
         print(f"rayfl tune: note: {note}", flush=True)
     meta["records"] = read_records(meta["sweep_dir"], meta["swept"])
     check_checkpoints(meta, meta["records"])
+    from rayfl import checkpoint
+
     for key, rec in meta["records"].items():  # a trial that goes on runs these values: checked as a grid point is
         try:
-            meta["plan"].config(rec["config"]).check()
+            cfg = meta["plan"].config(rec["config"])
+            cfg.check()
         except UserError as e:
             where = os.path.join(meta["sweep_dir"], "rayfl_trials.json")
             raise UserError(f"{where}: trials.{key}.config: {e}") from None
+        trial_dir = os.path.join(meta["sweep_dir"], "trials", key)
+        if checkpoint.exists(trial_dir):  # an old pickle, another version's or an unreadable file: here, not in Ray
+            checkpoint.read(trial_dir, cfg, same_config=False)
     _check_parent(meta)
     return meta
 

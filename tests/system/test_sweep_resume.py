@@ -194,6 +194,29 @@ def test_resume_never_reads_tunes_pickles(ray_session, interrupted, tmp_path, ca
     check_every_trial_once(sweep_dir, before)
 
 
+def test_a_trials_old_pickle_checkpoint_is_one_line_before_ray(interrupted, tmp_path, capsys):
+    """A continuing trial whose directory holds a pickle checkpoint of an older rayfl (with a payload): the
+    resume is refused in one line naming the file, before Ray starts, and the pickle is never opened."""
+    import ray
+
+    _, sweep_dir, uri = copy_of(interrupted, tmp_path)
+    [going] = [k for k, r in records(sweep_dir).items() if r["status"] == "RUNNING"]
+    trial = os.path.join(sweep_dir, "trials", going)
+    for name in os.listdir(trial):
+        if name.startswith("checkpoint"):
+            os.remove(os.path.join(trial, name))
+    marker = tmp_path / "code-ran"
+    with open(os.path.join(trial, "checkpoint.pkl"), "wb") as f:
+        pickle.dump({"step": 0, "server": Payload(str(marker))}, f)
+    was_up = ray.is_initialized()
+    code = main(["tune", "--resume", sweep_dir, "--tracking-uri", uri])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"rayfl: error: checkpoint={trial}/checkpoint.pkl: a pickle checkpoint of an older rayfl, "
+                          "not loaded"), err
+    assert not marker.exists() and ray.is_initialized() == was_up
+
+
 def test_the_planted_payloads_are_live(interrupted, tmp_path):
     """The same payloads, planted in a copy, run when Tune's own loaders (what Tuner.restore calls) read them."""
     import glob
