@@ -32,9 +32,14 @@ def round_curves(histories: dict[str, list[list[dict]]], metric: str) -> pd.Data
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
+def metric_key(label: str) -> str:
+    """A row label as MLflow takes it in a metric name (``fedfomo:M=10`` -> ``fedfomo:M_10``)."""
+    import re
+
+    return re.sub(r"[^\w\-. :/]", "_", label)
+
+
 def metric_name(metric: str, stat: str, algo: str) -> str:
     """The MLflow metric of one row's curve: ``compare/test_acc_mean/fedavg`` (stat ``mean``) and
     ``compare/test_acc_mean_std/fedavg``, drawn by round as the step; one chart per name prefix."""
-    from rayfl.comparison.run import metric_key
-
     return f"compare/{metric}{'' if stat == 'mean' else '_' + stat}/{metric_key(algo)}"

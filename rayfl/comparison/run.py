@@ -21,8 +21,10 @@ from typing import Callable, Sequence
 import numpy as np
 import pandas as pd
 
+from rayfl.comparison.curves import metric_key, metric_name, round_curves
 from rayfl.comparison.presets import PRESETS
-from rayfl.comparison.table import CLASSIFICATION, REGRESSION, SAME_WORK, SETTINGS, WORK, Agreement, bar_chart, markdown, ordering_agreement, summarize_runs, with_paper
+from rayfl.comparison.table import (CLASSIFICATION, REGRESSION, SAME_WORK, SETTINGS, WORK, Agreement, bar_chart, markdown,
+                                    ordering_agreement, ranking, summarize_runs, with_paper)
 from rayfl.config import UserError, make_config
 from rayfl.divergence import Diverged
 from rayfl.session import Session
@@ -67,13 +69,6 @@ class CompareResult:
         cols = CLASSIFICATION if "test_acc_mean" in self.table else REGRESSION
         rows = [(r["algo"], [r.get(c, math.nan) for c in cols]) for _, r in self.table.iterrows()]
         return result_html(f"CompareResult: {self._what()}", rows, self.mlflow_url, "mean over seeds")
-
-
-def metric_key(label: str) -> str:
-    """A row label as MLflow takes it in a metric name (``fedfomo:M=10`` -> ``fedfomo:M_10``)."""
-    import re
-
-    return re.sub(r"[^\w\-. :/]", "_", label)
 
 
 def parse_row(spec: str) -> tuple[str, dict, dict]:
@@ -365,6 +360,7 @@ def _compare(spec: CompareSpec, session: Session, planned: list, prepared: list,
             key = "test_acc_mean" if "test_acc_mean" in out["final"] else "test_loss_mean"
             outcome = f"{key} {out['final'].get(key, math.nan):.4f}"
             rows = final_rows(row, cfg.seed, out)
+            histories.setdefault(row, []).append(out.get("history") or [])
         for r in rows:
             r[SETTINGS] = settings[row]
         if say:
@@ -374,7 +370,7 @@ def _compare(spec: CompareSpec, session: Session, planned: list, prepared: list,
                 f"eta {_clock(elapsed / done * (total - done))}")
         return rows
 
-    run_dirs, names = {}, set()
+    run_dirs, names, histories = {}, set(), {}
     for row, p in prepared:
         label = f"{row} s{p.cfg.seed}"
         folder = file_name(label)
@@ -411,11 +407,17 @@ def _compare(spec: CompareSpec, session: Session, planned: list, prepared: list,
         paper = PRESETS[preset].paper_for(base.to_flat())
         table = with_paper(table, paper)
         agreement = ordering_agreement(table)
-    text = markdown(table) + (f"\n\n{agreement.line()}" if agreement else "")
+    # the federation's caveat (small validation or test splits), with the numbers wherever they go
+    caveat = next((w for w in (reports[id(p)].warning() for _, p in prepared) if w), None)
+    text = (markdown(table) + (f"\n\n{agreement.line()}" if agreement else "")
+            + (f"\n\n**Caveat:** {caveat}." if caveat else ""))
     title = (f"{preset + ': ' if preset else ''}{base.dataset} ({base.partition}), {base.clients} clients, "
              f"{base.rounds} rounds: final round, mean ± std over {len(seeds)} seeds")
     _write_tables(out_dir, runs, table, text, preset)  # kept here whatever the tracking server does
-    _parent_records(out_dir, parent, uri, runs, table, text, preset, agreement, provenance["rayfl.command"], title)
+    metric = "test_acc_mean" if "test_acc_mean" in table else "test_loss_mean"
+    curves = round_curves({row: histories[row] for row in order if row in histories}, metric)
+    _parent_records(out_dir, parent, uri, runs, table, text, preset, agreement, provenance["rayfl.command"], title,
+                    (metric, curves), caveat)
     session.deliver(out_dir)
     late = session.unsent_line(out_dir, "run(s)")  # records their server did not get (the parent's, the runs'), for sync
     if late:
@@ -461,6 +463,13 @@ def _write_tables(out_dir: str, runs: pd.DataFrame, table: pd.DataFrame, text: s
         f.write(head + text + "\n")
 
 
+def _wrapped(command: str, width: int = 100) -> str:
+    """A command as Markdown that wraps (a code block does not: it would widen the page): inline code by words."""
+    import textwrap
+
+    return "\n".join(f"`{line}`" for line in textwrap.wrap(command, width, break_on_hyphens=False, break_long_words=False))
+
+
 def _clock(seconds: float) -> str:
     seconds = int(round(seconds))
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}" if seconds >= 3600 else \
@@ -469,32 +478,46 @@ def _clock(seconds: float) -> str:
 
 def _parent_records(out_dir: str, run_id: str, uri: str, runs: pd.DataFrame, table: pd.DataFrame, text: str,
                     preset: str | None, agreement: "Agreement | None" = None, command: str = "",
-                    title: str = "") -> str:
+                    title: str = "", curves: tuple[str, pd.DataFrame] | None = None, caveat: str | None = None) -> str:
     """What the parent run gets, as records in ``out_dir``'s outbox (sent at once when its server answers,
-    else by ``rayfl sync``): table (CSV, Markdown), per-run rows, bar chart and one metric per row x column;
-    its description (the run's Overview) is the table itself, with the setting and the command."""
+    else by ``rayfl sync``): table (CSV, Markdown), per-run rows, the bar chart of the final round, and each
+    row's metric over rounds (``curves``: its mean over seeds and their spread, by round as the step: one chart
+    compares the rows in MLflow's chart view, and ``plots/rounds.png``); its description (the run's Overview)
+    is the table itself, with the setting and the command. A table cell is no metric of its own: a chart of
+    one value each would flood the chart view (they are in table.csv)."""
     import matplotlib.pyplot as plt
 
-    from rayfl.tracking import Outbox, metrics_record, numeric, outbox_dir
+    from rayfl.plots import rounds_plot
+    from rayfl.tracking import Outbox, metrics_record, outbox_dir
 
-    metrics = {}
-    for _, r in table.iterrows():
-        for k, v in numeric(r.drop(labels=["algo"]).to_dict()).items():
-            if not k.startswith("paper "):
-                metrics[f"{metric_key(r['algo'])}/{k}"] = v
-    if agreement is not None and agreement.pairs:
-        metrics["ordering_agreement"] = agreement.fraction
     now = int(time.time() * 1000)
+    records = []
+    if agreement is not None and agreement.pairs:
+        records.append(metrics_record({"ordering_agreement": agreement.fraction}, 0, now))
+    metric, rounds = curves if curves is not None else ("", pd.DataFrame())
+    for rnd, at in rounds.groupby("round"):
+        values = {metric_name(metric, "mean", r["algo"]): r["mean"] for _, r in at.iterrows()}
+        values.update({metric_name(metric, "std", r["algo"]): r["std"] for _, r in at.iterrows() if r["seeds"] > 1})
+        records.append(metrics_record(values, int(rnd), now))
     box = Outbox(outbox_dir(out_dir))
     box.write_run(run_id=run_id, tracking_uri=uri, status="FINISHED", end_time=now)
-    files = os.path.join(box.files, box.new_files(), "compare")
+    tree = os.path.join(box.files, box.new_files())
+    files = os.path.join(tree, "compare")
     os.makedirs(files)
     _write_tables(files, runs, table, text, preset)
-    figure = bar_chart(table, title)
+    figure = bar_chart(table, title + (f"\ncaveat: {caveat}" if caveat else ""))
     figure.savefig(os.path.join(files, "comparison.png"))
     plt.close(figure)
-    # the table first: MLflow's Overview shows a description's first lines and folds the rest under "Show more"
+    if len(rounds):
+        os.makedirs(os.path.join(tree, "plots"))
+        figure = rounds_plot(rounds, metric, title.split(": final round")[0], f"caveat: {caveat}" if caveat else "")
+        figure.savefig(os.path.join(tree, "plots", "rounds.png"))
+        plt.close(figure)
+    # the answer first: MLflow's Overview shows a description's first lines and folds the rest under "Show more";
+    # the ranking is narrow (no sideways scroll), the full table below it, the command in a block that wraps
     about = PRESETS[preset].what + f" Paper: {PRESETS[preset].paper_source}." if preset else ""
-    note = text + (f"\n\n{about}" if about else "") + (f"\n\n```\n{command}\n```\n" if command else "\n")
-    box.spill([metrics_record(metrics, 0, now), ("tags", [("mlflow.note.content", note)])])
+    first = ranking(table) + (f"\n\n**Caveat:** {caveat}." if caveat else "")
+    note = (first + "\n\nThe full table (mean ± std over seeds):\n\n" + text + (f"\n\n{about}" if about else "")
+            + (f"\n\n{_wrapped(command)}\n" if command else "\n"))
+    box.spill([*records, ("tags", [("mlflow.note.content", note)])])
     return box.dir

@@ -90,13 +90,33 @@ def setting(cfg, final: dict | None = None) -> str:
     return describe(cfg) + privacy.describe(cfg, final)
 
 
+def first_line(cfg, final: dict, report=None) -> str:
+    """The description's opening line, all that MLflow's folded Overview is sure to show: the final round's test
+    mean, worst client and bottom 10%, the algorithm and data, the ε a private run reached, and the partition's
+    caveat when it has one."""
+    kind = "acc" if "test_acc_mean" in final else "loss"
+    shown = (lambda v: f"{v:.2%}") if kind == "acc" else (lambda v: f"{v:.4f}")
+    values = {s: final.get(f"test_{kind}_{s}") for s in ("mean", "worst", "bottom10_mean")}
+    parts = [f"**test {'accuracy' if kind == 'acc' else 'loss'} {shown(values['mean'])}**"
+             if values["mean"] is not None else "**no test evaluation**"]
+    parts += [f"{name} {shown(values[s])}" for s, name in (("worst", "worst client"), ("bottom10_mean", "bottom 10%"))
+              if values[s] is not None]
+    line = " · ".join(parts) + f" — {cfg.algo} on {cfg.dataset} ({cfg.partition}), {cfg.clients} clients"
+    eps = privacy.final_epsilon(cfg, final)
+    if eps is not None:
+        line += f", DP ε {eps:.3g}"
+    warning = report.warning() if report is not None else None
+    return line + (f". **Caveat:** {warning}" if warning else "")
+
+
 def summary_markdown(cfg, final: dict, total: int, report=None, setting: str = "") -> str:
-    """The run's description, what its Overview shows of it before "Show more": the final round's mean, worst
-    client and bottom 10% as a table (first, so that it is not folded away), then the setting and the
-    partition report. MLflow draws the table without cell padding: the header cells carry an em space."""
+    """The run's description, what its Overview shows of it before "Show more": one line with the answer
+    (:func:`first_line`), then the final round's mean, worst client and bottom 10% as a table, the setting and
+    the partition report. MLflow draws the table without cell padding: the header cells carry an em space."""
     where = f"final round {int(final['step']) + 1} of {total}" if "step" in final else "final round"
     stage = f" ({final['stage']})" if final.get("stage") else ""
-    lines = [f"| {where}{stage} &emsp; | mean &emsp; | worst client &emsp; | bottom 10% &emsp; |", "|---|---|---|---|"]
+    lines = [first_line(cfg, final, report), "",
+             f"| {where}{stage} &emsp; | mean &emsp; | worst client &emsp; | bottom 10% &emsp; |", "|---|---|---|---|"]
     for split, name in (("test", "test"), ("val", "validation")):
         for kind, what in (("acc", "accuracy"), ("loss", "loss")):
             if f"{split}_{kind}_mean" in final and (kind == "acc" or "test_acc_mean" not in final):

@@ -126,10 +126,14 @@ def test_run_tags_and_metric_names(ray_session, mlflow_uri, tmp_path):
     assert tags["rayfl.algo"] == "fedavg" and tags["rayfl.dataset"] == "synthetic"
     assert tags["rayfl.command"].startswith("rayfl.run(algo='fedavg', dataset='synthetic'")
     assert tags["mlflow.source.name"] == "rayfl"
-    # the description, the top of the run's Overview: the final round's results as a table, then the setting
-    # and the partition report
+    # the description, the top of the run's Overview: one line with the answer (what MLflow's fold is sure to
+    # show), the final round's results as a table, then the setting and the partition report
     note = tags["mlflow.note.content"]
-    head, rule, test_row, val_row = note.splitlines()[:4]
+    first, blank, head, rule, test_row, val_row = note.splitlines()[:6]
+    assert first == (f"**test accuracy {result.final['test_acc_mean']:.2%}** · worst client "
+                     f"{result.final['test_acc_worst']:.2%} · bottom 10% {result.final['test_acc_bottom10_mean']:.2%}"
+                     " — fedavg on synthetic (iid), 3 clients") and blank == ""
+    assert len(first) <= 160
     assert head.startswith("| final round 3 of 3 (train) &emsp; | mean &emsp; | worst client &emsp; | bottom 10%")
     assert test_row == "| test accuracy | " + " | ".join(
         f"**{result.final[f'test_acc_{s}']:.2%}**" for s in ("mean", "worst", "bottom10_mean")) + " |"

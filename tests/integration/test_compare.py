@@ -230,7 +230,16 @@ def test_two_algorithms_two_seeds(mlflow_uri, tmp_path):
     assert {"compare/table.csv", "compare/table.md", "compare/runs.csv", "compare/comparison.png"} <= arts
     table = pd.read_csv(client.download_artifacts(res.run_id, "compare/table.csv", str(tmp_path)))
     assert table["test_acc_mean"].tolist() == pytest.approx(res.table["test_acc_mean"].tolist())
-    assert parent.data.metrics["fedavg/test_acc_mean"] == pytest.approx(res.table.loc[1, "test_acc_mean"])
+    # one chart of the rows over rounds: each round's mean over seeds (its last, the table's), and its spread;
+    # no table cell is a metric of its own
+    assert not [k for k in parent.data.metrics if not k.startswith("compare/")]
+    curve = client.get_metric_history(res.run_id, "compare/test_acc_mean/fedavg")
+    assert [m.step for m in curve] == list(range(1, TINY["rounds"] + 1))
+    assert curve[-1].value == pytest.approx(res.table.loc[1, "test_acc_mean"])
+    fedavg = res.runs[res.runs.algo == "fedavg"]["test_acc_mean"]
+    spread = client.get_metric_history(res.run_id, "compare/test_acc_mean_std/fedavg")
+    assert spread[-1].value == pytest.approx(np.std(fedavg, ddof=1))
+    assert {"plots/rounds.png"} <= {a.path for a in client.list_artifacts(res.run_id, "plots")}
     # readable in the runs table: the row first in a child's name, row and seed as tags; provenance on both
     assert sorted(c.info.run_name for c in children) == ["fedavg s0", "fedavg s1", "local s0", "local s1"]
     assert {(c.data.tags["rayfl.compare_row"], c.data.tags["rayfl.seed"]) for c in children} == \
@@ -238,9 +247,16 @@ def test_two_algorithms_two_seeds(mlflow_uri, tmp_path):
     for run in (parent, *children):
         assert {"rayfl.version", "rayfl.command"} <= set(run.data.tags)
     parent = client.get_run(res.run_id)  # the description is set once the table is known
-    assert parent.data.tags["mlflow.note.content"].startswith("| algorithm | seeds |")  # first: not folded away
-    assert "| local | 2 |" in parent.data.tags["mlflow.note.content"]
-    assert parent.data.tags["rayfl.command"] in parent.data.tags["mlflow.note.content"]
+    note = parent.data.tags["mlflow.note.content"]
+    # first, not folded away: the ranking, best first, narrow; then the full table; the command in wrapping code
+    best, other = sorted(res.table.itertuples(), key=lambda r: -r.test_acc_mean)
+    assert note.splitlines()[:4] == [
+        "| algorithm | test mean (%) |", "|---|---|",
+        f"| {best.algo} | {100 * best.test_acc_mean:.2f} ± {100 * best.test_acc_mean_std:.2f} |",
+        f"| {other.algo} | {100 * other.test_acc_mean:.2f} ± {100 * other.test_acc_mean_std:.2f} |"]
+    assert "| local | 2 |" in note and "```" not in note
+    assert " ".join(line.strip("`") for line in note.splitlines() if line.startswith("`")) == \
+        parent.data.tags["rayfl.command"]
 
 
 def test_concurrent_launches_on_ray(ray_session, mlflow_uri, tmp_path):

@@ -244,10 +244,10 @@ def test_a_comparison_whose_server_is_gone_keeps_its_table_and_records_and_sync_
         child = client.get_run(child_id)
         parent = client.get_run(child.data.tags["mlflow.parentRunId"])
         assert parent.info.status == child.info.status == "FINISHED"
-        assert parent.data.tags["mlflow.note.content"].startswith("| algorithm | seeds |")
+        assert parent.data.tags["mlflow.note.content"].startswith("| algorithm | test mean (%) |")
         assert {"compare/table.md", "compare/comparison.png"} <= {a.path for a in client.list_artifacts(
             parent.info.run_id, "compare")}
-        assert parent.data.metrics["fedavg/test_acc_mean"] == pytest.approx(child.data.metrics["test_acc_mean"])
+        assert parent.data.metrics["compare/test_acc_mean/fedavg"] == pytest.approx(child.data.metrics["test_acc_mean"])
         assert [s for s, _ in points(client, child_id, "test_acc_mean")] == list(range(1, 9))
         import rayfl
 
