@@ -23,8 +23,8 @@ import pandas as pd
 
 from rayfl.comparison.curves import metric_key, metric_name, round_curves
 from rayfl.comparison.presets import PRESETS
-from rayfl.comparison.table import (CLASSIFICATION, REGRESSION, SAME_WORK, SETTINGS, WORK, Agreement, bar_chart, markdown,
-                                    ordering_agreement, ranking, summarize_runs, with_paper)
+from rayfl.comparison.table import (CLASSIFICATION, REGRESSION, SAME_WORK, SETTINGS, WORK, Agreement, bar_chart,
+                                    markdown, ordering_agreement, ranking, summarize_runs, with_paper)
 from rayfl.config import UserError, make_config
 from rayfl.divergence import Diverged
 from rayfl.session import Session
@@ -467,7 +467,8 @@ def _wrapped(command: str, width: int = 100) -> str:
     """A command as Markdown that wraps (a code block does not: it would widen the page): inline code by words."""
     import textwrap
 
-    return "\n".join(f"`{line}`" for line in textwrap.wrap(command, width, break_on_hyphens=False, break_long_words=False))
+    lines = textwrap.wrap(command, width, break_on_hyphens=False, break_long_words=False)
+    return "\n".join(f"`{line}`" for line in lines)
 
 
 def _clock(seconds: float) -> str:
