@@ -144,7 +144,8 @@ class DriverActor:
         run_id = self.tracker.run_id if self.tracker else None
         if run_id:
             self._run_told.set()
-        return {"records": self.queue.drain(), "run_id": run_id}
+        return {"records": self.queue.drain(), "run_id": run_id,
+                "experiment_id": self.tracker.experiment_id if run_id else None}
 
     def stop(self) -> None:
         """Ask the loop to end before its next round (the run is closed as KILLED, checkpoints kept)."""

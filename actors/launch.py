@@ -170,6 +170,9 @@ def _follow(driver, actors: list, seen: dict, on_round, on_event, poll_seconds: 
             polled = ray.get(asked)
             if polled["run_id"] and polled["run_id"] != seen["run_id"]:
                 seen["record"](polled["run_id"])
+                if on_event:  # where to watch it, as soon as it exists
+                    on_event({"event": "mlflow_run", "run_id": polled["run_id"],
+                              "experiment_id": polled.get("experiment_id")})
             seen["run_id"] = polled["run_id"] or seen["run_id"]
             for rec in polled["records"]:
                 seen["driver_node"] = rec.get("driver_node") or seen.get("driver_node")

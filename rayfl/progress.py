@@ -113,6 +113,7 @@ class ConsoleProgress:
         self.last_actor_line = 0.0
         self.since: float | None = None  # when the command made its plan: elapsed times count its start-up
         self.epsilon: float | None = None  # a private run's largest ε so far (rounds without evaluation repeat it)
+        self.tracking_uri: str | None = None  # the run's store, from its plan: where its MLflow page is
 
     def __call__(self, event: dict) -> None:
         handler = getattr(self, "on_" + event["event"], None)
@@ -135,6 +136,7 @@ class ConsoleProgress:
 
         cfg, p = e["cfg"], e["prepared"]
         self.since = time.monotonic()
+        self.tracking_uri = e.get("tracking_uri")
         knobs = ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(p.params).items())
         from rayfl.privacy import headline
 
@@ -143,6 +145,10 @@ class ConsoleProgress:
                    f"{cfg.clients} clients, {p.info.n_params} parameters ({p.model_spec.name})"
                    f"{f'; {private}' if private else ''}; run directory {e['run_dir']}")
         partition(e.get("partition") or PartitionReport.of(p), self.write)
+
+    def on_mlflow_run(self, e: dict) -> None:
+        if self.tracking_uri and e.get("experiment_id"):
+            self.write(f"rayfl: watch it in MLflow: {ui_url(self.tracking_uri, e['experiment_id'], e['run_id'])}")
 
     def on_cluster(self, e: dict) -> None:
         if e["state"] == "starting":

@@ -323,8 +323,11 @@ def _compare(spec: CompareSpec, session: Session, planned: list, prepared: list,
     total, t_start, finished = len(prepared), time.perf_counter(), []
     reports = {id(p): PartitionReport.of(p) for _, p in prepared}  # each run's federation, for its child run
     if say:
+        from rayfl.progress import ui_url
+
         say(f"compare: {len(order)} rows x {len(seeds)} seeds = {total} runs "
-            f"({'one at a time, in this process' if runtime == 'local' else 'on Ray'}); parent run {parent}")
+            f"({'one at a time, in this process' if runtime == 'local' else 'on Ray'}); parent run {parent}; "
+            f"watch it in MLflow: {ui_url(uri, exp_id, parent)}")
         # once per seed: every row of a seed has its federation (a row with config of its own aside)
         first = {p.cfg.seed: reports[id(p)] for _, p in reversed(prepared)}
         for seed in seeds:

@@ -311,14 +311,21 @@ def _run(meta: dict, quiet: bool, resume: bool, session: Session) -> int:
         raise UserError(f"{meta['max_concurrent']} trials at once x {len(base_bundles)} processes each need about "
                         f"{processes * per_process / 2**30:.0f} GiB, the cluster offers {memory / 2**30:.0f} GiB: "
                         f"--max-concurrent {fit} (or raise --clients-per-actor)")
+    from rayfl.data.report import PartitionReport
+    from rayfl.experiment import prepare
+    from rayfl.progress import partition, ui_url
+
+    base_cfg = make_config(None, meta["base"])
+    report = PartitionReport.of(prepare(base_cfg))  # the base config's federation: its caveat is every trial's
+    caveat = report.warning()
     if not resume:
         from rayfl.tracking import setting
 
-        base_cfg = make_config(None, meta["base"])
         tags = {**meta.get("provenance", {}), "rayfl.sweep": meta["name"], "rayfl.kind": "sweep",
                 "rayfl.role": "sweep", "rayfl.algo": meta["algo"], "rayfl.dataset": base_cfg.dataset,
                 "rayfl.partition": base_cfg.partition,
-                "mlflow.note.content": f"{sweep_plan(meta)}; running.\n\n{setting(base_cfg)}\n"}
+                "mlflow.note.content": f"{sweep_plan(meta)}; running." + (f" **Caveat:** {caveat}." if caveat else "")
+                                       + f"\n\n{setting(base_cfg)}\n"}
         params = {"algo": meta["algo"], "search": meta["search"], "scheduler": meta["scheduler"],
                   "metric": meta["metric"], "mode": meta["mode"], "num_samples": meta["num_samples"],
                   "n_trials": meta["n_trials"], "max_concurrent": meta["max_concurrent"],
@@ -337,6 +344,9 @@ def _run(meta: dict, quiet: bool, resume: bool, session: Session) -> int:
           f"optimizing {meta['metric']} ({meta['mode']}, {meta['scheduler']})", flush=True)
     print(f"rayfl tune: sweep directory {meta['sweep_dir']} (resume with --resume {meta['sweep_dir']}); "
           f"MLflow parent run {meta['parent_run_id']}", flush=True)
+    partition(report, lambda line: print(line, flush=True), prefix="rayfl tune: ")  # once per sweep, with its caveat
+    print(f"rayfl tune: watch it in MLflow: {ui_url(meta['tracking_uri'], meta['experiment_id'], meta['parent_run_id'])}",
+          flush=True)
 
     from rayfl.sweep.records import ledger_callback, read_records, write_records
 
