@@ -214,6 +214,13 @@ def test_grid_sweep_2x2_four_children_one_parent(ray_session, tmp_path, capsys):
     parent = parents.run_id[0]
     kids = _children(uri, parent)
     assert len(kids) == 4 and set(kids.status) == {"FINISHED"}
+    # once per sweep: its federation (the caveat with it when its splits are small) and where to watch it
+    assert [line for line in out.splitlines() if "partition: " in line] == [
+        "rayfl tune: partition: 3 clients; training samples min 24 / median 24 / max 24; classes per client "
+        "min 10 / median 10 / max 10 (of 10)"], out
+    caveat = [line for line in out.splitlines() if line.startswith("rayfl tune: warning: ")]
+    assert len(caveat) == 1 and "have fewer than 10 validation or test samples" in caveat[0]
+    assert f"rayfl tune: watch it in MLflow: http://127.0.0.1:5000/#/experiments/" in out and parent in out
     assert {(float(a), int(b)) for a, b in zip(kids["params.lr"], kids["params.local_epochs"])} == \
         {(0.05, 1), (0.05, 2), (0.2, 1), (0.2, 2)}
     assert set(kids["tags.rayfl.role"]) == {"trial"} and parents["tags.rayfl.role"][0] == "sweep"

@@ -116,6 +116,12 @@ def test_run_end_to_end(tmp_path):
     mlflow.set_tracking_uri(uri)
     runs = mlflow.search_runs(experiment_names=["rayfl"])
     assert list(runs["tags.mlflow.runName"]) == ["e2e"] and list(runs["status"]) == ["FINISHED"]
+    # where to watch it, before its first round
+    lines = stdout.splitlines()
+    watch = next(i for i, line in enumerate(lines) if line.startswith("rayfl: watch it in MLflow: "))
+    assert watch < next(i for i, line in enumerate(lines) if line.startswith("round   1/2"))
+    assert lines[watch].endswith(f"/#/experiments/{runs['experiment_id'][0]}/runs/{runs['run_id'][0]}"
+                                 "?workflowType=machine_learning")
 
     # --resume from another working directory, with another MLFLOW_TRACKING_URI in the environment: the run
     # goes on in the store it was started with, not in a new ./mlflow.db.
