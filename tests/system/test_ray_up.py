@@ -11,16 +11,18 @@ The config is the project's own, changed where this machine differs from the use
   stop of the workers, the MLflow server on the head's address, `ray start` on every node.
 
 Then, as cluster/README.md tells a user: `ray up -y`, `ray dashboard` (the SSH forward), `ray job submit
---working-dir .` of a small `rayfl run` with default sizing, MLflow read through the head's server, `ray down -y`.
+--working-dir .` of a small `rayfl run`, `rayfl tune` (2 trials) and `rayfl compare` (2 rows) with default sizing,
+MLflow read through the head's server, `ray down -y`.
 Checked: both workers join (autoscaler v1 from the config), each node under its own address, the head with no
 CPU; the token on every machine, mode 600; MLflow listening on the head's address only and the dashboard on
 127.0.0.1 only; the run finishes, and its metrics and artifacts are on the head's MLflow server (the artifacts on
 the head's disk, none on a worker); the client actors ran on both workers; `ray down` leaves no Ray process on
-any machine.
+any machine. The sweep and the comparison each land on the head's server as one parent with two FINISHED
+children, their artifacts on the head.
 
 Not covered here: the download of uv and the installs from PyPI (no internet on the emulated network); a non-root
-SSH user (the machines' ``ubuntu`` is uid 0); `rayfl tune` and `rayfl compare` on the cluster, and a second
-`ray up` (`--restart-only`), left out to keep the test within minutes; one sshd host key for all three machines.
+SSH user (the machines' ``ubuntu`` is uid 0); a second `ray up` (`--restart-only`), left out to keep the test
+within minutes; one sshd host key for all three machines.
 """
 
 from __future__ import annotations
@@ -253,6 +255,36 @@ def test_ray_up_job_submit_ray_down_on_emulated_machines(machines):
         ip_of = {n["node_id"]: ip for ip, n in by_ip.items()}
         assert {ip_of.get(a["node_id"]) for a in placement} == {worker1.ip, worker2.ip}, \
             f"client actors not on both workers: {placement}"
+
+        # --- a sweep of 2 trials and a comparison of 2 rows, the same way: default sizing, default storage --------
+        (lab.root / "shared" / "space.yaml").write_text("grid:\n  lr: [0.05, 0.1]\n")
+        small = ["--dataset", "synthetic", "--clients", str(CLIENTS), "--rounds", str(ROUNDS),
+                 "--samples-per-client", "60"]
+        for what, command, children in (
+                ("tune", ["tune", "--algo", "fedavg", "--space", "/mnt/shared/space.yaml", *small], 2),
+                ("compare", ["compare", "--algos", "fedavg,local", "--seeds", "0", *small], 2)):
+            name = f"{EXPERIMENT}-{what}"
+            job = launcher.run("ray", "job", "submit", "--address", "http://127.0.0.1:8265", "--working-dir", ".",
+                               "--", "rayfl", *command, "--experiment", name, timeout=480)
+            marks[what] = time.monotonic() - t0
+            out = job.stdout + job.stderr
+            assert job.returncode == 0 and "succeeded" in out.lower(), \
+                f"the {what} job failed:\n{_tail(out)}\n{launcher.head_logs()}"
+            experiment = launcher.get(f"{tracking}/api/2.0/mlflow/experiments/get-by-name?experiment_name={name}")
+            assert experiment, f"no experiment {name!r} on the head's MLflow server:\n{_tail(out)}"
+            found = launcher.get(f"{tracking}/api/2.0/mlflow/runs/search",
+                                 data={"experiment_ids": [experiment["experiment"]["experiment_id"]]})["runs"]
+            tags = [{t["key"]: t["value"] for t in r["data"].get("tags", [])} for r in found]
+            parents = [r for r, t in zip(found, tags) if "mlflow.parentRunId" not in t]
+            kids = [r for r, t in zip(found, tags) if "mlflow.parentRunId" in t]
+            assert len(parents) == 1 and len(kids) == children, (what, [r["info"] for r in found])
+            assert {r["info"]["status"] for r in found} == {"FINISHED"}, (what, [r["info"] for r in found])
+            for r in found:
+                assert r["info"]["artifact_uri"].startswith("mlflow-artifacts:"), r["info"]["artifact_uri"]
+        marks["mlflow read"] = time.monotonic() - t0
+        for w in (worker1, worker2):  # still no MLflow file on a worker
+            stray = [p for d in (w.home, w.tmp) for name in ("mlruns", "mlflow.db") for p in d.rglob(name)]
+            assert not stray, f"MLflow files on {w.name}: {stray}"
     finally:
         # --- ray down (also after a failure: the cluster goes down the way a user takes it down) -------------
         down = launcher.run("ray", "down", "-y", config, timeout=120)
