@@ -162,7 +162,7 @@ class LocalCluster:
     """A head and worker nodes in a helper process (see the module's docstring); ``info``: the head's and
     workers' node ids and the GCS address."""
 
-    def __init__(self, root: str, env: dict, head: dict, workers: list[dict], start_timeout: float = 90):
+    def __init__(self, root: str, env: dict, head: dict, workers: list[dict], start_timeout: float = 240):
         self.root, self.env = root, env
         helper_file = Path(root) / "cluster_helper.py"
         helper_file.write_text(HELPER)
