@@ -233,11 +233,10 @@ def with_step_sizes(run_dir: str, cfg, changes: dict):
 
     import yaml
 
-    from rayfl import snapshot
+    from rayfl import checkpoint, snapshot
     from rayfl.algorithms import get_algorithm
     from rayfl.config import make_config
     from rayfl.divergence import step_sizes
-    from rayfl import checkpoint
 
     sizes = step_sizes(cfg, get_algorithm(cfg.algo).make_params(cfg.params))
     asked = {**{k: v for k, v in changes.items() if k != "params"},
