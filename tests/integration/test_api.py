@@ -250,14 +250,16 @@ def test_console_shows_the_knobs_the_partition_and_the_time_since_the_command_be
     show = ConsoleProgress(out, tty=False)
     show({"event": "plan", "cfg": cfg, "prepared": prepare(cfg), "run_dir": "/r"})
     show({"event": "setup", "time": 100.0})
-    show({"event": "round", "step": 0, "total": 4, "stage": "train", "time": 101.0,
-          "metrics": {"round_seconds": 0.1, "test_acc_mean": 0.5, "test_acc_worst": 0.25}})
-    header, partition, warning, line = out.getvalue().splitlines()
+    for step, t in ((0, 101.0), (1, 103.0)):
+        show({"event": "round", "step": step, "total": 4, "stage": "train", "time": t,
+              "metrics": {"round_seconds": 0.1, "test_acc_mean": 0.5, "test_acc_worst": 0.25}})
+    header, partition, warning, line, second = out.getvalue().splitlines()
     assert header.startswith("rayfl: fedfomo (M=2, epsilon=") and "on synthetic (iid), 4 clients" in header
     assert partition == ("rayfl: partition: 4 clients; training samples min 12 / median 12 / max 12; "
                          "classes per client min 8 / median 9 / max 9 (of 10)")
     assert warning.startswith("rayfl: warning: 4 of 4 clients have fewer than 10 validation or test samples")
-    assert line.endswith("1.00s  elapsed 0:00  eta 0:03")
+    assert line.endswith("1.00s  elapsed 0:00")  # one round timed: no estimate yet
+    assert second.endswith("2.00s  elapsed 0:00  eta 0:03")  # 2 rounds left at the mean 1.5 s
 
 
 def _run_result():
