@@ -111,7 +111,7 @@ def test_cli_refuses_bad_data_before_ray(tmp_path, monkeypatch, capsys):
     import rayfl.api
     from rayfl.cli import main
 
-    monkeypatch.setattr(rayfl.api, "start_ray", lambda *a: pytest.fail("Ray started"))
+    monkeypatch.setattr(rayfl.session, "start_ray", lambda *a: pytest.fail("Ray started"))
     (tmp_path / "imgs" / "cat").mkdir(parents=True)
     (tmp_path / "imgs" / "cat" / "notes.txt").write_text("no image")
     np.savez(tmp_path / "bad.npz", x=np.zeros((4, 2)), y=np.array([0.5, 1, 0, 1]))

@@ -225,7 +225,7 @@ def test_user_level_refuses_a_grouped_mean_rather_than_average_without_noise():
 def test_bad_privacy_values_are_one_line_exit_2_before_ray(argv, fragment, capsys, monkeypatch):
     import rayfl.api
 
-    monkeypatch.setattr(rayfl.api, "start_ray", lambda *a: pytest.fail("Ray started"))
+    monkeypatch.setattr(rayfl.session, "start_ray", lambda *a: pytest.fail("Ray started"))
     assert main(["run", "--dataset", "synthetic", "--clients", "3", "--rounds", "1", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"rayfl: error: {fragment}") and err.count("\n") == 1, err

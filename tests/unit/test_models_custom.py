@@ -119,7 +119,7 @@ def test_a_model_of_the_wrong_width_is_refused_before_ray(monkeypatch, capsys):
     with pytest.raises(UserError, match=r"^model='t-seven': gives outputs of shape \(7,\) per sample; dataset "
                                         r"'synthetic' needs 10 \(classes\)$"):
         prepare(tiny(model="t-seven"))
-    monkeypatch.setattr(rayfl.api, "start_ray", lambda *a: pytest.fail("Ray started"))
+    monkeypatch.setattr(rayfl.session, "start_ray", lambda *a: pytest.fail("Ray started"))
     assert main(["run", "--dataset", "synthetic", "--model", "t-seven", "--clients", "2", "--rounds", "1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("rayfl: error: model='t-seven': gives outputs") and err.count("\n") == 1, err

@@ -57,7 +57,7 @@ def test_the_commands_that_start_ray_refuse_an_unsupported_ray_before_anything(c
 
     monkeypatch.setattr(ray_compat, "installed_ray_version", lambda: "3.1.0")
     monkeypatch.setattr(rayfl.session, "init_ray", lambda *a: pytest.fail("Ray started"))
-    monkeypatch.setattr(rayfl.api, "start_ray", lambda *a: pytest.fail("Ray started"))
+    monkeypatch.setattr(rayfl.session, "start_ray", lambda *a: pytest.fail("Ray started"))
     argv = [*command, *TINY, "--tracking-uri", f"sqlite:///{tmp_path}/m.db", "--out-dir", str(tmp_path / "runs")]
     assert main(argv) == 2
     out, err = capsys.readouterr()
