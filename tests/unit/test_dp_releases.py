@@ -34,8 +34,8 @@ def recorded(monkeypatch) -> dict:
         entry(gen)[3].append(tuple(idx.tolist()))
         return idx
 
-    def gaussian(count, gen, device):
-        z = noise(count, gen, device)
+    def gaussian(count, gen, device, *args, **kwargs):
+        z = noise(count, gen, device, *args, **kwargs)
         entry(gen)[4].append(tuple(z[:8].tolist()))
         return z
 
