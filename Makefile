@@ -9,9 +9,10 @@ TORCH ?= torch==2.14.1 torchvision==0.29.1
 CONSTRAINTS ?= constraints.txt
 PIN := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 
-# The suite's three layers (tests/unit, tests/integration, tests/system). `make test` runs them one test after
-# another: Ray and subprocess tests in parallel pytest-xdist workers on two cores thrashed (each worker's own Ray
-# instance). The unit layer has no Ray and no server, so `make test-fast` spreads it over FAST_JOBS workers.
+# The suite's three layers (tests/unit, tests/integration, tests/system). The unit layer has no Ray and no
+# server, so both `make test` and `make test-fast` spread it over FAST_JOBS pytest-xdist workers; the Ray and
+# subprocess layers run one test after another (parallel workers on two cores thrashed: each worker's own Ray
+# instance, and the cluster fixtures' start-up timeouts).
 FAST_JOBS ?= 2
 
 .PHONY: demo test test-fast venv bench clean
@@ -31,7 +32,8 @@ demo: venv  ## the main job on the embedded default (digits, offline), logged to
 # pytest's exit status 5 (no test collected, as with a PYTEST_ARGS='-k' that selects nothing) is its own
 # closing line, not a failure.
 test: venv  ## the whole test suite, every layer (CPU only, no network)
-	$(PY) -m pytest -q $(PYTEST_ARGS) tests || [ $$? -eq 5 ]
+	$(PY) -m pytest -q -n $(FAST_JOBS) $(PYTEST_ARGS) tests/unit || [ $$? -eq 5 ]
+	$(PY) -m pytest -q $(PYTEST_ARGS) tests/integration tests/system || [ $$? -eq 5 ]
 
 test-fast: venv  ## the unit layer only (no Ray, no server): under a minute
 	$(PY) -m pytest -q -n $(FAST_JOBS) $(PYTEST_ARGS) tests/unit || [ $$? -eq 5 ]

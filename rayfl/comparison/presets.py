@@ -92,6 +92,13 @@ FEDERICO_TABLE = {2: (11.44, 12.45, 40.09, 11.50, 41.21, 42.24, 56.61),
                   3: (11.73, 29.86, 55.27, 15.24, 55.08, 59.45, 69.76),
                   4: (13.93, 45.65, 69.03, 16.43, 63.61, 71.05, 78.22)}
 
+# FedeRiCo's CFL and FedEM rows ran on the FedEM authors' code (Sui et al. 2022, Sec. 5, footnote 3:
+# omarfoq/FedEM). Its ClusteredAggregator (aggregator.py) has tol_1 = 0.4, tol_2 = 1.6 (ε1, ε2: rayfl's
+# defaults), splits only clusters of more than 2 clients (min_split_size 3, the default), with no warm-up
+# (min_rounds 0) and by complete linkage on the cosine distances (scikit-learn's AgglomerativeClustering);
+# FedEM with the paper's 4 components.
+FEDERICO_BASELINES = {"cfl": {"min_rounds": 0, "linkage": "complete"}, "fedem": {"M": 4}}
+
 # User-centric FL (Mestoukirdi et al.), Table I (worst user) beside Fig. 2's rows: k = 1..4 streams.
 USERCENTRIC_STREAMS = ("usercentric:streams=1", "usercentric:streams=2", "usercentric:streams=3")
 
@@ -225,7 +232,7 @@ PRESETS = {p.name: p for p in [
            FEDERICO_ROWS,
            {**MNIST, "partition": "label-groups", "groups": 3, "clients": 8, "rounds": 20, "optimizer": "adam",
             "lr": 0.01, "val_frac": 0.0},
-           {"fedem": {"M": 4}},
+           FEDERICO_BASELINES,
            column(FEDERICO_ROWS, FEDERICO_TABLE[3]),
            "Sui et al., 2022, Table 1, CIFAR-10 with 2, 3 or 4 distributions (the column of --groups)",
            ("groups", tuple((g, column(FEDERICO_ROWS, values)) for g, values in FEDERICO_TABLE.items()))),

@@ -39,9 +39,16 @@ PERSFL = {
                     {"batch_size": 20, "lr": 0.01, "rounds": 800}),
                    ("fedavg", {}, {"rounds": 100}), ("persfl", {}, {"rounds": 100})],
 }
+# Sui et al. 2022 (FedeRiCo), Sec. 5: Adam, lr 0.01 for every method, FedEM with 4 components, CFL and FedEM from
+# omarfoq/FedEM, whose aggregator.py ClusteredAggregator has tol_1=0.4, tol_2=1.6, `len(indices) > 2`, no round
+# condition and AgglomerativeClustering(linkage="complete").
+FEDERICO = [("cfl", {"eps1": 0.4, "eps2": 1.6, "min_split_size": 3, "min_rounds": 0, "linkage": "complete"},
+             {"optimizer": "adam", "lr": 0.01}),
+            ("fedem", {"M": 4}, {"optimizer": "adam", "lr": 0.01})]
 CASES = ([(p, row, knobs, {**COMMON_FEDFOMO, **config}) for p in ("fedfomo-pathological", "fedfomo-pathological-100")
           for row, knobs, config in FEDFOMO_TABLE1]
-         + [(p, row, knobs, config) for p, rows in PERSFL.items() for row, knobs, config in rows])
+         + [(p, row, knobs, config) for p, rows in PERSFL.items() for row, knobs, config in rows]
+         + [("federico-label-groups", row, knobs, config) for row, knobs, config in FEDERICO])
 
 
 @pytest.mark.parametrize("preset,row,knobs,config", CASES, ids=[f"{c[0]}:{c[1]}" for c in CASES])
