@@ -45,16 +45,24 @@ def headline_text(final: dict) -> str:
             f"bottom 10% {final.get(f'test_{kind}_bottom10_mean', math.nan):.4f})")
 
 
-def result_html(title: str, rows: list[tuple[str, list[float]]], url: str, note: str = "") -> str:
+def result_html(title: str, rows: list[tuple[str, list[float]]], url: str, note: str = "",
+                worst_samples: int | None = None, caveat: str | None = None) -> str:
     """A result as Jupyter shows it: a title, a small table (a row of mean / worst client / bottom 10% per
-    metric) and the link to its MLflow run."""
+    metric; the test worst client marked † when it rests on fewer than 10 test samples), its caveats, and the
+    link to its MLflow run."""
     from html import escape
 
+    from rayfl.metrics import FEW_SAMPLES_MARK, few_samples, few_samples_note
+
+    marked = few_samples(worst_samples)
     head = "".join(f"<th>{escape(h)}</th>" for _, h in HEADLINE)
     body = "".join(f"<tr><th style='text-align:left'>{escape(name)}</th>"
-                   + "".join(f"<td>{v:.4f}</td>" for v in values) + "</tr>" for name, values in rows)
+                   + "".join(f"<td>{v:.4f}{FEW_SAMPLES_MARK if marked and k == 1 and name.startswith('test') else ''}"
+                             f"</td>" for k, v in enumerate(values)) + "</tr>" for name, values in rows)
     table = f"<table><tr><th></th>{head}</tr>{body}</table>" if rows else ""
-    extra = f"<div>{escape(note)}</div>" if note else ""
+    notes = [*([few_samples_note(worst_samples)] if marked and rows else []),
+             *([f"Caveat: {caveat}."] if caveat else []), *([note] if note else [])]
+    extra = "".join(f"<div>{escape(n)}</div>" for n in notes)
     return (f"<div><b>{escape(title)}</b>{table}{extra}"
             f"<div>MLflow: <a href='{escape(url)}' target='_blank'>{escape(url)}</a></div></div>")
 
@@ -72,7 +80,9 @@ class RunResult:
     ``final``: the final round's summary across clients (a dict; ``round`` names it, from 1, and ``stage``
     its stage); ``history``: a row per round (``round`` from 1, as on the console and in MLflow's steps, and
     ``wall_seconds``); ``clients``: a row per client, its last evaluation first; ``run_id`` / ``mlflow_url``:
-    its MLflow run; ``run_dir``: its config and checkpoints; ``config``: the Config that ran."""
+    its MLflow run; ``run_dir``: its config and checkpoints; ``config``: the Config that ran; ``caveat``: the
+    partition's warning, and ``worst_test_samples`` the test samples the worst client's value rests on (marked
+    † below 10), both shown with the numbers."""
 
     final: dict
     history: Any  # pandas.DataFrame
@@ -83,6 +93,8 @@ class RunResult:
     experiment_id: str
     config: Any = None  # rayfl.Config
     tracking_unsent: str | None = None  # the line saying what its tracking server did not get, and how to send it
+    worst_test_samples: int | None = None  # the test samples its worst client's value rests on (rayfl.metrics)
+    caveat: str | None = None  # the partition's warning (small validation or test splits), or None
 
     @property
     def mlflow_url(self) -> str:
@@ -102,7 +114,8 @@ class RunResult:
 
     def _repr_html_(self) -> str:
         return result_html(f"RunResult: {self._what()}", _headline_rows(self.final), self.mlflow_url,
-                           f".history: {len(self.history)} rounds; .clients: {len(self.clients)} rows")
+                           f".history: {len(self.history)} rounds; .clients: {len(self.clients)} rows",
+                           self.worst_test_samples, self.caveat)
 
 
 @dataclass
@@ -212,6 +225,7 @@ def run_spec(spec: RunSpec, progress: Progress = lambda e: None) -> RunResult:
     result."""
     from rayfl.data.report import PartitionReport
     from rayfl.experiment import prepare
+    from rayfl.metrics import worst_client_samples
     from rayfl.provenance import origin
     from rayfl.tracking import client_table, final_summary
 
@@ -260,7 +274,8 @@ def run_spec(spec: RunSpec, progress: Progress = lambda e: None) -> RunResult:
                      checkpoint_dir=run_dir, on_round=on_round, on_event=on_event, cluster_may_grow=session.on_cluster)
     result = RunResult(final_summary(out["final"]), _history(out["history"], walls),
                        client_table(out["per_client"], prepared.info), out["run_id"], run_dir, tracking.uri,
-                       out["experiment_id"], cfg, out.get("tracking_unsent"))
+                       out["experiment_id"], cfg, out.get("tracking_unsent"),
+                       worst_client_samples(out["per_client"].values()), report.warning())
     progress({"event": "done", "result": result})
     return result
 

@@ -156,7 +156,7 @@ def cmd_run(args) -> int:
         return 1
     where = f" {result.final['round']}" + (f" ({result.final['stage']})" if "stage" in result.final else "")
     print(f"\nfinal round{where if 'round' in result.final else ''}, across clients:")
-    print(summary_table(result.final))
+    print(summary_table(result.final, result.worst_test_samples, result.caveat))  # its caveats beside it
     print(f"\nMLflow run {result.run_id} in experiment {plan['cfg'].experiment!r} at {result.tracking_uri}")
     print(mlflow_hint(result.tracking_uri, result.experiment_id, result.run_id))
     if result.tracking_unsent:  # the run is complete; its MLflow run is not, until rayfl sync

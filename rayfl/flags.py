@@ -67,12 +67,15 @@ def config_flags_given(args: argparse.Namespace) -> list[str]:
 
 def add_options(group, options: type) -> None:
     """A flag per field of an options class (:class:`rayfl.specs.SweepOptions`, :class:`rayfl.specs.CompareOptions`):
-    its default, choices and help are the field's, so the command's flags and the API's keywords cannot drift."""
+    its default, choices and help are the field's, so the command's flags and the API's keywords cannot drift
+    (a field with ``flag=None`` is a keyword of the API alone)."""
     import dataclasses
 
     for f in dataclasses.fields(options):
         meta = dict(f.metadata)
         flag = meta.pop("flag", "--" + f.name.replace("_", "-"))
+        if flag is None:  # the API's keyword alone
+            continue
         text = meta.pop("help").replace("{default}", " ".join(map(str, f.default)) if isinstance(f.default, tuple)
                                         else str(f.default))
         default = meta.pop("cli_default", f.default)

@@ -14,6 +14,9 @@ from itertools import repeat
 
 import numpy as np
 
+MIN_EVAL_SAMPLES = 10  # below this, one sample moves a client's accuracy by more than 10 points
+FEW_SAMPLES_MARK = "†"  # beside a worst-client value that rests on fewer than MIN_EVAL_SAMPLES test samples
+
 
 def summarize(values, weights=None, higher_is_better: bool = True) -> dict[str, float]:
     """Summary statistics of one per-client metric; NaN entries (empty splits) are left out."""
@@ -60,3 +63,37 @@ def round_summary(per_client: dict[int, dict], splits=None) -> dict[str, float]:
 
 def _column(records: list[dict], key: str, missing: float) -> np.ndarray:
     return np.asarray(list(map(dict.get, records, repeat(key), repeat(missing))), dtype=np.float64)
+
+
+def worst_client_samples(records, split: str = "test") -> int | None:
+    """How many ``split`` samples the worst client's value rests on, from per-client records (the final
+    evaluation's, each with ``<split>_acc`` or ``<split>_loss`` and ``n_<split>``): the worst client's count, the
+    largest count among clients tied at the worst value (the value is reached on that many). Accuracy when the
+    records have it, else loss (the worst is then the highest); None when no client has the metric or a count."""
+    def known(value) -> bool:  # evaluated: neither missing nor NaN
+        return value is not None and value == value
+
+    records = list(records)
+    kind = "acc" if any(known(r.get(f"{split}_acc")) for r in records) else "loss"
+    scored = [(float(r[f"{split}_{kind}"]), r.get(f"n_{split}")) for r in records if known(r.get(f"{split}_{kind}"))]
+    if not scored or not all(known(n) for _, n in scored):
+        return None
+    worst = min(v for v, _ in scored) if kind == "acc" else max(v for v, _ in scored)
+    return int(max(n for v, n in scored if v == worst))
+
+
+def few_samples(n) -> bool:
+    """Whether a worst-client value resting on ``n`` test samples is marked (:data:`FEW_SAMPLES_MARK`)."""
+    return n is not None and n == n and n < MIN_EVAL_SAMPLES
+
+
+def few_samples_note(counts) -> str:
+    """The footnote under a table whose worst-client values are marked: ``† rests on 7 test samples`` (one
+    count), or each marked row's own (``counts``: an int, or {row label: count})."""
+    if not isinstance(counts, dict):
+        return f"{FEW_SAMPLES_MARK} rests on {int(counts)} test samples (the worst client's; fewer than " \
+               f"{MIN_EVAL_SAMPLES}, it moves in steps of 1/{int(counts)})"
+    if len(set(counts.values())) == 1:
+        return few_samples_note(next(iter(counts.values())))
+    each = ", ".join(f"{int(n)} ({label})" for label, n in counts.items())
+    return f"{FEW_SAMPLES_MARK} rests on {each} test samples (the worst client's; fewer than {MIN_EVAL_SAMPLES})"

@@ -223,18 +223,34 @@ def mlflow_hint(tracking_uri: str, experiment_id: str, run_id: str | None = None
     return "\n".join(lines)
 
 
-def summary_table(final: dict) -> str:
-    """The closing table of a run or a sweep's best trial: each metric's summary across clients, a row each."""
+def summary_table(final: dict, worst_samples: int | None = None, caveat: str | None = None) -> str:
+    """The closing table of a run or a sweep's best trial: each metric's summary across clients, a row each.
+    The caveats travel with it: the test worst client's value is marked († and a footnote) when it rests on
+    fewer than 10 test samples (``worst_samples``: :func:`rayfl.metrics.worst_client_samples`), and the
+    partition's ``caveat`` (:meth:`rayfl.data.report.PartitionReport.warning`) follows it."""
+    from rayfl.metrics import FEW_SAMPLES_MARK, few_samples, few_samples_note
+
     extra = sorted(k[:-5] for k in final if k.endswith("_acc_mean") and k[:-5] not in ("test_acc", "val_acc"))
     metrics = [m for m in ("test_acc", "val_acc", "test_loss", *extra) if f"{m}_mean" in final]  # FedMoE's too
     width = max([10, *(len(m) + 2 for m in metrics)])
     stats = ("mean", "weighted_mean", "std", "worst", "bottom10_mean")
-    rows = [f"{m:{width}s}" + "".join(f"{final.get(f'{m}_{s}', float('nan')):>12.4f}" for s in stats) for m in metrics]
+    marked = ("test_acc" if "test_acc_mean" in final else "test_loss", "worst") if few_samples(worst_samples) else None
+    rows = []
+    for m in metrics:
+        cells = [f"{final.get(f'{m}_{s}', float('nan')):>12.4f}" for s in stats]
+        if marked and m == marked[0]:  # the mark after its number, in the next column's leading space
+            k = stats.index(marked[1])
+            cells[k] += FEW_SAMPLES_MARK
+            if k + 1 < len(cells) and cells[k + 1].startswith(" "):
+                cells[k + 1] = cells[k + 1][1:]
+        rows.append(f"{m:{width}s}" + "".join(cells))
     if "dp_epsilon_max" in final:  # differential privacy: the ε reached, beside the accuracy (worst: the largest)
         rows.append(f"{'dp_epsilon':{width}s}" + "".join(
             cell(final[k]) if k else f"{'-':>12s}" for k in ("dp_epsilon_mean", "", "", "dp_epsilon_max", "")))
     head = f"{'':{width}s}" + "".join(f"{h:>12s}" for h in ("mean", "weighted", "std", "worst", "bottom10%"))
-    return "\n".join([head, *rows])
+    notes = [few_samples_note(worst_samples)] if marked else []
+    notes += [f"caveat: {caveat}"] if caveat else []
+    return "\n".join([head, *rows, *notes])
 
 
 def cell(value: float, width: int = 12) -> str:

@@ -32,8 +32,8 @@ def option(default: Any, help: str, **flag: Any):
     """A field of an options class: its default, its help (``{default}`` in it is replaced by the default) and
     how its flag reads (``metavar``, ``choices`` (or a function giving them), ``type``, ``nargs``;
     ``flag``/``action``/``const`` for a
-    switch such as ``--no-stage-reuse`` or ``--local``; ``cli_default``: the flag's 'not given' where the
-    command works the default out later)."""
+    switch such as ``--no-stage-reuse`` or ``--local``, ``flag=None`` for an API keyword with no flag;
+    ``cli_default``: the flag's 'not given' where the command works the default out later)."""
     return field(default=default, metadata={"help": help, **flag})
 
 
@@ -81,6 +81,10 @@ class CompareOptions:
     runtime: str = option("ray", "run in this process without Ray, one at a time", flag="--local",
                           action="store_const", const="local")
     name: str | None = option(None, "MLflow parent run name")
+    # the API's alone (flag=None): the command prints these lines always, and --quiet drops its round lines
+    progress: Any = option(True, "True: print what will run, 'k/N done' with the time left as each experiment "
+                                 "ends, and where MLflow shows the result; False: nothing; a callable gets each line",
+                           flag=None)
 
 
 def preset_names() -> list[str]:
@@ -279,6 +283,8 @@ class CompareSpec(CompareOptions):
         if self.name is not None and (not self.name.strip() or not self.name.isprintable()):
             raise UserError(f"name={shown(self.name)}: must be a non-empty name without control characters (the "
                             f"MLflow parent run's name)")
+        if not isinstance(self.progress, bool) and not callable(self.progress):
+            raise UserError(f"progress={shown(self.progress)}: must be True, False or a callable taking each line")
         if self.runtime not in RUNTIMES:
             raise UserError(f"runtime={self.runtime!r}: allowed: {', '.join(RUNTIMES)}")
         if self.runtime == "local" and self.address is not None:

@@ -26,6 +26,11 @@ class UserError(Exception):
                 message = f"{message[:half]} ...[{len(message) - 2 * half} characters]... {message[-half:]}"
         super().__init__(message, *args)
 
+    def _render_traceback_(self) -> list[str]:
+        """What IPython (a notebook, the ``ipython`` shell) shows for it: the one line, no frames; the command
+        line prints the same (``rayfl: error: ...``)."""
+        return [f"rayfl: error: {self}"]
+
 
 # ://user:password@ in a URI: the password is never printed (a literal start: linear in the text's length)
 _CREDENTIALS = re.compile(r"://([^/\s:@'\"]*):[^/\s@'\"]*@")

@@ -46,13 +46,13 @@ def cmd_compare(args) -> int:
     algos = [a.strip() for a in args.algos.split(",") if a.strip()] if args.algos else None
     if args.algos is not None and not algos:
         raise UserError(f"--algos {args.algos!r}: expected A,B,...")
-    spec = CompareSpec(algos=algos, seeds=seeds, preset=args.preset, max_concurrent=args.max_concurrent,
-                       runtime=args.runtime, name=args.name, params=params, config=config, address=args.address)
-    show = None if args.quiet else (lambda label, rec: print(f"{label:>14s}  {format_round(rec)}", flush=True))
     lines: list[str] = []  # the closing MLflow lines come after the table
-    result = compare_spec(spec, on_round=show,
-                          progress=lambda line: (lines.append(line) if line.startswith("look at it") or
-                                                 line.startswith("  then") else print(line, flush=True)))
+    spec = CompareSpec(algos=algos, seeds=seeds, preset=args.preset, max_concurrent=args.max_concurrent,
+                       runtime=args.runtime, name=args.name, params=params, config=config, address=args.address,
+                       progress=lambda line: (lines.append(line) if line.startswith("look at it") or
+                                              line.startswith("  then") else print(line, flush=True)))
+    show = None if args.quiet else (lambda label, rec: print(f"{label:>14s}  {format_round(rec)}", flush=True))
+    result = compare_spec(spec, on_round=show)
     print()
     print(result.markdown)
     print()

@@ -23,7 +23,7 @@ import pandas as pd
 
 from rayfl.comparison.curves import metric_key, metric_name, round_curves
 from rayfl.comparison.presets import PRESETS
-from rayfl.comparison.table import (CLASSIFICATION, REGRESSION, SAME_WORK, SETTINGS, WORK, Agreement, bar_chart,
+from rayfl.comparison.table import (SAME_WORK, SETTINGS, WORK, WORST_SAMPLES, Agreement, bar_chart, cell, html,
                                     markdown, ordering_agreement, ranking, summarize_runs, with_paper)
 from rayfl.config import UserError, make_config
 from rayfl.divergence import Diverged
@@ -43,6 +43,7 @@ class CompareResult:
     experiment_id: str = ""
     out_dir: str = ""  # the comparison's directory: the table, and a run directory per (row, seed)
     tracking_unsent: str | None = None  # the line saying which runs kept records their server did not get
+    caveat: str | None = None  # the federation's warning (small validation or test splits), shown with the table
 
     @property
     def mlflow_url(self) -> str:
@@ -53,8 +54,11 @@ class CompareResult:
 
     def _what(self) -> str:
         metric = "test_acc_mean" if "test_acc_mean" in self.table else "test_loss_mean"
-        top = self.table.sort_values(metric, ascending=metric == "test_loss_mean").iloc[0] if len(self.table) else None
-        best = f"; best {top['algo']} ({metric} {top[metric]:.4f})" if top is not None else ""
+        done = self.table[self.table[metric] == self.table[metric]] if metric in self.table else self.table.iloc[:0]
+        top = done.sort_values(metric, ascending=metric == "test_loss_mean").iloc[0] if len(done) else None
+        best = (f"; best {top['algo']} (test {'acc' if metric == 'test_acc_mean' else 'loss'} "
+                f"{cell(top[metric], top[f'{metric}_std'], metric == 'test_acc_mean')}"
+                f"{' %' if metric == 'test_acc_mean' else ''})") if top is not None else ""
         preset = f", preset {self.preset}" if self.preset else ""
         agree = f"; {self.agreement.line()}" if self.agreement else ""
         return f"{len(self.table)} rows x {self.runs['seed'].nunique()} seeds{preset}{best}{agree}"
@@ -64,11 +68,16 @@ class CompareResult:
                 f"{self.mlflow_url}")
 
     def _repr_html_(self) -> str:
-        from rayfl.api import result_html
+        """The table as :attr:`markdown` has it (the same cells: mean ± std over seeds, accuracy in %), its
+        ordering agreement and caveat, and the link to the parent run."""
+        from html import escape
 
-        cols = CLASSIFICATION if "test_acc_mean" in self.table else REGRESSION
-        rows = [(r["algo"], [r.get(c, math.nan) for c in cols]) for _, r in self.table.iterrows()]
-        return result_html(f"CompareResult: {self._what()}", rows, self.mlflow_url, "mean over seeds")
+        notes = [*([self.agreement.line()] if self.agreement else []), *([f"Caveat: {self.caveat}."] if self.caveat
+                                                                          else [])]
+        url = escape(self.mlflow_url)
+        return (f"<div><b>CompareResult: {escape(self._what())}</b> (final round, mean ± std over seeds)"
+                + html(self.table) + "".join(f"<div>{escape(n)}</div>" for n in notes)
+                + f"<div>MLflow: <a href='{url}' target='_blank'>{url}</a></div></div>")
 
 
 def parse_row(spec: str) -> tuple[str, dict, dict]:
@@ -216,7 +225,12 @@ def final_rows(label: str, seed: int, out: dict) -> list[dict]:
     (:func:`before_rows`) adds the row of its last evaluated round before that stage."""
     from rayfl.tracking import numeric
 
+    from rayfl.metrics import worst_client_samples
+
     rows = [{"algo": label, "seed": seed, "run_id": out.get("run_id"), **numeric(out["final"])}]
+    worst = worst_client_samples((out.get("per_client") or {}).values())
+    if worst is not None:  # what its worst client's value rests on
+        rows[0][WORST_SAMPLES] = worst
     history = out.get("history") or []
     last = history[-1].get("stage") if history else None
     second = before_rows(label).get(last) if last is not None else None
@@ -244,7 +258,7 @@ def compare(algos: Sequence[str] | None = CompareOptions.algos, seeds: Sequence[
             runtime: str = CompareOptions.runtime, max_concurrent: int | None = CompareOptions.max_concurrent,
             address: str | None = None, name: str | None = CompareOptions.name,
             on_round: Callable[[str, dict], None] | None = None, command: str | None = None,
-            progress: bool | Callable[[str], None] = False, plugins: list[str] | None = None,
+            progress: bool | Callable[[str], None] = CompareOptions.progress, plugins: list[str] | None = None,
             **config) -> CompareResult:
     """Run every algorithm in ``algos`` with every seed in ``seeds`` on the same federation and return the
     paper-style table (mean ± std over seeds of the final round's test accuracy mean, worst client and
@@ -256,10 +270,11 @@ def compare(algos: Sequence[str] | None = CompareOptions.algos, seeds: Sequence[
     process without Ray (one experiment at a time); ``"ray"`` uses the connected cluster (or starts a
     private local one) with up to ``max_concurrent`` experiments at once (default: one per CPU).
     ``on_round(label, record)`` sees every round of every experiment. ``command``: what the user typed, for
-    the runs' provenance tags (default: this process's command line). ``progress``: True prints what will run,
-    ``k/N done`` with an estimate of the time left as each experiment ends, and where MLflow shows the result;
-    a callable receives those lines instead. ``plugins``: .py files or module names to load first, as
-    ``--plugin`` (their algorithms can be rows). The defaults are :class:`rayfl.specs.CompareOptions`'."""
+    the runs' provenance tags (default: this process's command line). ``progress``: True (the default) prints
+    what will run, ``k/N done`` with an estimate of the time left as each experiment ends, and where MLflow
+    shows the result; False nothing; a callable receives those lines instead. ``plugins``: .py files or module
+    names to load first, as ``--plugin`` (their algorithms can be rows). The defaults are
+    :class:`rayfl.specs.CompareOptions`'."""
     from rayfl.config import check_value
     from rayfl.plugins import as_sources, load_plugins
 
@@ -267,12 +282,11 @@ def compare(algos: Sequence[str] | None = CompareOptions.algos, seeds: Sequence[
     for key, value in {"algos": algos, "seeds": seeds, "params": params, "name": name, **config}.items():
         check_value(key, value)  # bounded before anything walks or quotes it
     spec = CompareSpec(algos=algos, seeds=seeds, preset=preset, max_concurrent=max_concurrent, runtime=runtime,
-                       name=name, params=params, config=config, address=address, command=command)
-    return compare_spec(spec, on_round=on_round, progress=progress)
+                       name=name, params=params, config=config, address=address, command=command, progress=progress)
+    return compare_spec(spec, on_round=on_round)
 
 
-def compare_spec(spec: CompareSpec, on_round: Callable[[str, dict], None] | None = None,
-                 progress: bool | Callable[[str], None] = False) -> CompareResult:
+def compare_spec(spec: CompareSpec, on_round: Callable[[str, dict], None] | None = None) -> CompareResult:
     """A :class:`rayfl.specs.CompareSpec`, as :func:`compare` and ``rayfl compare`` ask for it, in one
     :class:`rayfl.session.Session`: checks, the runs (on Ray or in this process), the table, the parent run."""
     from rayfl.experiment import prepare
@@ -284,7 +298,7 @@ def compare_spec(spec: CompareSpec, on_round: Callable[[str, dict], None] | None
     prepared = [(row, prepare(cfg)) for row, cfg in planned]
     settings = row_settings(planned)
     with Session(spec.address, TrackingSpec.of(planned[0][1])) as session:
-        return _compare(spec, session, planned, prepared, settings, on_round, progress, origin(spec.command))
+        return _compare(spec, session, planned, prepared, settings, on_round, spec.progress, origin(spec.command))
 
 
 def _compare(spec: CompareSpec, session: Session, planned: list, prepared: list, settings: dict, on_round,
@@ -425,7 +439,7 @@ def _compare(spec: CompareSpec, session: Session, planned: list, prepared: list,
     late = session.unsent_line(out_dir, "run(s)")  # records their server did not get (the parent's, the runs'), for sync
     if late:
         late += f"; the table is in {os.path.join(out_dir, 'table.md')}"
-    result = CompareResult(table, runs, parent, text, uri, preset, agreement, exp_id, out_dir, late)
+    result = CompareResult(table, runs, parent, text, uri, preset, agreement, exp_id, out_dir, late, caveat)
     if say:
         from rayfl.progress import mlflow_hint
 

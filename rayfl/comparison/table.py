@@ -22,6 +22,9 @@ PRIVACY = ("dp_epsilon_mean", "dp_epsilon_max")  # epsilon reached at the run's 
 WEIGHTS = ("w_same_group_mean", "cousage_neighbour_mean", "cousage_far_mean")  # FedeRiCo's collaboration
 WORK, SAME_WORK = "local work", "as FedAvg"  # a row's local work per round (Algorithm.work), shown where any differs
 SETTINGS = "settings"  # what a row sets apart from the table's other rows (rayfl.comparison.run.row_settings)
+# the test samples the worst client's value rests on: a run's (rayfl.metrics.worst_client_samples), a row's
+# fewest over its seeds; a worst-client cell resting on fewer than 10 is marked † with a footnote
+WORST_SAMPLES = "test_worst_samples"
 
 
 def columns(runs: pd.DataFrame) -> list[str]:
@@ -47,6 +50,9 @@ def summarize_runs(runs: pd.DataFrame, order: list[str] | None = None) -> pd.Dat
                "diverged": ("round " + ", ".join(str(int(r)) for r in failed)) if len(failed) else ""}
         if SETTINGS in runs:
             row[SETTINGS] = next((str(v) for v in runs.loc[runs["algo"] == algo, SETTINGS] if v == v), "")
+        if WORST_SAMPLES in runs:
+            counts = sub[WORST_SAMPLES].dropna()
+            row[WORST_SAMPLES] = float(counts.min()) if len(counts) else math.nan
         for c in cols:
             vals = sub[c].dropna().to_numpy(dtype=np.float64)
             row[c] = float(vals.mean()) if vals.size else math.nan
@@ -113,7 +119,9 @@ def ordering_agreement(table: pd.DataFrame) -> Agreement | None:
     return Agreement(column, agree, pairs, broken)
 
 
-def _fmt(mean: float, std: float, percent: bool) -> str:
+def cell(mean: float, std: float, percent: bool) -> str:
+    """A comparison's number as every display of it shows it (the Markdown, table.md, the notebook's table):
+    ``mean ± std`` over seeds, accuracy in percent with 2 decimals, a loss with 4; no ± with one seed."""
     if mean != mean:
         return "-"
     scale = 100.0 if percent else 1.0
@@ -129,26 +137,52 @@ def _header(column: str) -> str:
     return text + (" (%)" if "_acc" in column else "")
 
 
-def markdown(table: pd.DataFrame) -> str:
-    """The table as Markdown: ``mean ± std`` cells (accuracy in %), then the paper's numbers."""
-    metric_cols = [c for c in table.columns if c not in ("algo", "seeds", "diverged", WORK, SETTINGS)
+def cells(table: pd.DataFrame) -> tuple[list[str], list[list[str]], list[str]]:
+    """The table as its displays show it: the header, a row of text cells per row (``mean ± std``, accuracy in %,
+    :func:`cell`; then the paper's numbers), and the footnotes (a worst-client value marked † rests on fewer
+    than 10 test samples)."""
+    from rayfl.metrics import FEW_SAMPLES_MARK, few_samples, few_samples_note
+
+    metric_cols = [c for c in table.columns if c not in ("algo", "seeds", "diverged", WORK, SETTINGS, WORST_SAMPLES)
                    and not c.endswith("_std") and not c.startswith("paper ")]
     paper_cols = [c for c in table.columns if c.startswith("paper ")]
     work = [WORK] if WORK in table and (table[WORK] != SAME_WORK).any() else []
     work += [SETTINGS] if SETTINGS in table and (table[SETTINGS] != "").any() else []
     head = ["algorithm", "seeds", *(_header(c) for c in metric_cols), *paper_cols, *work]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows, few = [], {}
     for _, r in table.iterrows():
         failed = r.get("diverged") or ""
-        cells = [str(r["algo"]), str(r["seeds"]) + (f" ({failed.count(',') + 1} diverged)" if failed else "")]
+        row = [str(r["algo"]), str(r["seeds"]) + (f" ({failed.count(',') + 1} diverged)" if failed else "")]
         if failed and not r["seeds"]:  # no seed has a result: say where it broke, not a score
-            cells += [f"diverged ({failed})"] * len(metric_cols)
+            row += [f"diverged ({failed})"] * len(metric_cols)
         else:
-            cells += [_fmt(r[c], r[f"{c}_std"], "_acc" in c) for c in metric_cols]
-        cells += ["-" if r[c] != r[c] else f"{r[c]:g}" for c in paper_cols]
-        cells += [str(r[c]) for c in work]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+            marked = few_samples(r.get(WORST_SAMPLES))
+            if marked:
+                few[str(r["algo"])] = int(r[WORST_SAMPLES])
+            row += [cell(r[c], r[f"{c}_std"], "_acc" in c)
+                    + (FEW_SAMPLES_MARK if marked and c in (CLASSIFICATION[1], REGRESSION[1]) else "")
+                    for c in metric_cols]
+        row += ["-" if r[c] != r[c] else f"{r[c]:g}" for c in paper_cols]
+        row += [str(r[c]) for c in work]
+        rows.append(row)
+    return head, rows, [few_samples_note(few)] if few else []
+
+
+def markdown(table: pd.DataFrame) -> str:
+    """The table as Markdown (:func:`cells`), its footnotes below it."""
+    head, rows, notes = cells(table)
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *("| " + " | ".join(r) + " |" for r in rows)]
+    return "\n".join(lines) + "".join(f"\n\n{note}" for note in notes)
+
+
+def html(table: pd.DataFrame) -> str:
+    """The table as HTML for a notebook: the same cells as :func:`markdown`, its footnotes below it."""
+    from html import escape
+
+    head, rows, notes = cells(table)
+    th = "".join(f"<th>{escape(h)}</th>" for h in head)
+    body = "".join("<tr>" + "".join(f"<td>{escape(c)}</td>" for c in r) + "</tr>" for r in rows)
+    return f"<table><tr>{th}</tr>{body}</table>" + "".join(f"<div>{escape(note)}</div>" for note in notes)
 
 
 def ranking(table: pd.DataFrame) -> str:
@@ -166,7 +200,7 @@ def ranking(table: pd.DataFrame) -> str:
     for _, r in pd.concat([done, table[table[metric] != table[metric]]]).iterrows():
         failed = r.get("diverged") or ""
         cells = [str(r["algo"]), f"diverged ({failed})" if failed and r[metric] != r[metric]
-                 else _fmt(r[metric], r[f"{metric}_std"] if r["seeds"] > 1 else float("nan"), percent)]
+                 else cell(r[metric], r[f"{metric}_std"] if r["seeds"] > 1 else float("nan"), percent)]
         if has_paper:
             ours = r[metric] * (100.0 if percent else 1.0)
             known = r[paper] == r[paper] and ours == ours

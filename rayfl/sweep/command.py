@@ -23,7 +23,7 @@ from rayfl.progress import ConsoleProgress, summary_table
 from rayfl.session import Session
 from rayfl.specs import SweepOptions, SweepSpec, TrackingSpec, check_name
 from rayfl.sweep.placement import _bundles_for, _pg_factory, bundle_total
-from rayfl.sweep.progress import _progress_callback
+from rayfl.sweep.progress import _progress_callback, silent_reporter
 from rayfl.sweep.search import _search_alg, _search_space, selectable_metrics
 from rayfl.sweep.space import MAX_TRIALS, Plan, Space, find_space_file, load_space, plan_sweep, validate_space
 from rayfl.sweep.trial import TrialContext, run_trial
@@ -160,7 +160,9 @@ def run_sweep(s: SweepSpec) -> tuple[dict, int]:
     :class:`rayfl.session.Session`. Returns the sweep's record (``rayfl_sweep.json``'s content) and 0, 1 when no
     trial reported the metric, or 130 when it was interrupted (resumable)."""
     os.environ.setdefault("RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS", "0")
-    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+    # Tune's legacy output engine, silenced (verbose=0 and rayfl.sweep.progress.silent_reporter): rayfl prints
+    # its own lines; the new engine ignores a given reporter and notebooks fall back to the legacy one anyway
+    os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
     # Ctrl-C reaches us as KeyboardInterrupt (Tune's own handler would end fit() as if the sweep were done);
     # rayfl's trial records and checkpoints are on disk by then, and --resume goes on from them.
     os.environ.setdefault("TUNE_DISABLE_SIGINT_HANDLER", "1")
@@ -176,7 +178,7 @@ def run_sweep(s: SweepSpec) -> tuple[dict, int]:
             session.connect_early()
             meta = _new_sweep(s, session)
         session.start_ray()
-        return meta, _run(meta, s.quiet, bool(s.resume), session)
+        return meta, _run(meta, s.quiet, bool(s.resume), session, tables=s.call is None)
 
 
 def _write_space(s: SweepSpec) -> tuple[str, str]:
@@ -282,7 +284,9 @@ def _default_concurrency(meta: dict, cluster) -> int:
     return max(1, min(meta["n_trials"], slots(make_config(None, meta["base"]), cluster)))
 
 
-def _run(meta: dict, quiet: bool, resume: bool, session: Session) -> int:
+def _run(meta: dict, quiet: bool, resume: bool, session: Session, tables: bool = True) -> int:
+    """The sweep, and its end (:func:`_finish`); ``tables``: print the results table and the best trial's (the
+    command does; :func:`rayfl.tune`'s result shows them, once)."""
     import ray
     from ray import tune
 
@@ -379,6 +383,7 @@ def _run(meta: dict, quiet: bool, resume: bool, session: Session) -> int:
                                     functools.partial(_pg_factory, base=meta["base"], share=share))
     progress = _progress_callback(meta["metric"], meta["swept"], quiet, meta["n_trials"], already=kept)
     run_config = tune.RunConfig(name=meta.get("run_name", meta["name"]), storage_path=meta["storage"], verbose=0,
+                                progress_reporter=silent_reporter(),
                                 callbacks=[progress, ledger_callback(meta["sweep_dir"], records)],
                                 # a trial whose own process died is retried, from its own checkpoint
                                 failure_config=tune.FailureConfig(max_failures=int(meta["base"].get("max_restarts", 3))))
@@ -400,7 +405,8 @@ def _run(meta: dict, quiet: bool, resume: bool, session: Session) -> int:
                     reuse_actors=True),  # an in-process trial's process, imports and data cache serve the next
                 run_config=run_config)
             tuner.fit()
-        code = _finish(meta, read_records(meta["sweep_dir"], meta["swept"]), parent if server_answers() else None)
+        code = _finish(meta, read_records(meta["sweep_dir"], meta["swept"]), parent if server_answers() else None,
+                       tables)
         status = "FINISHED" if code == 0 else "FAILED"
         return code
     except KeyboardInterrupt:
@@ -469,9 +475,10 @@ def best_record(records: dict, meta: dict) -> dict | None:
     return max(scored, key=lambda rec: sign * rec["result"][metric]) if scored else None
 
 
-def _finish(meta: dict, records: dict, parent) -> int:
-    """The results table printed (and in the sweep directory); the parent run (a :class:`rayfl.tracking.ParentRun`)
-    gets it, its plots and the best trial, unless ``parent`` is None (its tracking server did not answer)."""
+def _finish(meta: dict, records: dict, parent, tables: bool = True) -> int:
+    """The results table printed (``tables``; else left to the API's result, but when no trial reported the
+    metric) and in the sweep directory; the parent run (a :class:`rayfl.tracking.ParentRun`) gets it, its plots
+    and the best trial, unless ``parent`` is None (its tracking server did not answer)."""
     df = results_table(records, meta)
     meta["stopped_trials"] = list(df.trial[df.status == "STOPPED"]) if len(df) else []
     run_id, metric = meta["parent_run_id"], meta["metric"]
@@ -480,11 +487,12 @@ def _finish(meta: dict, records: dict, parent) -> int:
     errors = sum(1 for rec in records.values() if rec["status"] == "ERROR")
     import pandas as pd
 
-    with pd.option_context("display.width", 200, "display.max_columns", 30):
-        print("\nsweep results (" + ("best first" if metric in df else "no trial reported the metric") + "):")
-        shown = df.drop(columns=["mlflow_run_id"], errors="ignore")
-        print(shown.to_string(index=False, float_format=lambda v: f"{v:.4f}"))
     best = best_record(records, meta)
+    if tables or best is None:
+        with pd.option_context("display.width", 200, "display.max_columns", 30):
+            print("\nsweep results (" + ("best first" if metric in df else "no trial reported the metric") + "):")
+            shown = df.drop(columns=["mlflow_run_id"], errors="ignore")
+            print(shown.to_string(index=False, float_format=lambda v: f"{v:.4f}"))
     if parent is not None:
         _log_parent(parent, meta, df, path, best)
     if best is None:
@@ -492,9 +500,10 @@ def _finish(meta: dict, records: dict, parent) -> int:
         return 1
     best_metrics = best["result"]
     chosen = {k: best["config"].get(k) for k in meta["swept"]}
-    print(f"\nbest ({metric} {best_metrics[metric]:.4f}, final round): "
-          + ", ".join(f"{k}={v}" for k, v in chosen.items()))
-    print(summary_table(best_metrics))
+    if tables:
+        print(f"\nbest ({metric} {best_metrics[metric]:.4f}, final round): "
+              + ", ".join(f"{k}={v}" for k, v in chosen.items()))
+        print(summary_table(best_metrics))
     if parent is not None:
         print(f"\nMLflow: parent run {run_id} in experiment {meta['experiment']!r} at {meta['tracking_uri']}, "
               f"{len(df)} child run(s)")

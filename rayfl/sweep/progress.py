@@ -26,6 +26,23 @@ def eta_line(done: int, total: int, ended_here: int, elapsed: float) -> str:
     return f"{done}/{total} done, elapsed {format_seconds(elapsed)}{left}"
 
 
+def silent_reporter():
+    """Tune's own progress reporter, silenced: rayfl prints its trials' lines itself (:func:`_progress_callback`).
+    Without one, Tune makes its default, and in a notebook that is the JupyterNotebookReporter, which clears
+    the cell's output (IPython's ``clear_output``) as it is made, even at ``verbose=0``: the sweep's plan and
+    the lines before it would vanish."""
+    from ray.tune import ProgressReporter
+
+    class Silent(ProgressReporter):
+        def should_report(self, trials, done: bool = False) -> bool:
+            return False
+
+        def report(self, trials, done: bool, *sys_info: str) -> None:
+            pass
+
+    return Silent()
+
+
 def _progress_callback(metric: str, swept: list[str], quiet: bool, total: int = 0, write=None, already: int = 0):
     """``already``: trials a resumed sweep had finished before (counted as done, never run again)."""
     from ray import tune

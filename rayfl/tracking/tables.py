@@ -66,13 +66,27 @@ def client_table(per_client: dict[int, dict], info):
 
 
 def rounds_table(history: list[dict]):
-    """A row per round, numbered from 1 as on the console and in MLflow's steps."""
+    """A row per round, numbered from 1 as on the console and in MLflow's steps, results first: the round and
+    its stage, the test and validation mean, worst client and bottom 10% (accuracy, or loss for regression),
+    the rest of the test and validation summaries, the other metrics, and the timings (``*_seconds``) last, so
+    that a notebook's elided wide table (pandas' ``...``) keeps the results in view."""
     import pandas as pd
 
     df = pd.DataFrame(history)
     if "step" in df:
         df.insert(0, "round", df.pop("step") + 1)
-    return df
+    return df[round_columns(list(df.columns))]
+
+
+def round_columns(columns: list[str]) -> list[str]:
+    """``columns`` of a rounds table in the order :func:`rounds_table` gives them."""
+    kind = "acc" if "test_acc_mean" in columns or "val_acc_mean" in columns else "loss"
+    head = [c for c in ("round", "stage", *(f"{split}_{kind}_{stat}" for split in ("test", "val")
+                                           for stat in ("mean", "worst", "bottom10_mean"))) if c in columns]
+    timings = [c for c in columns if c.endswith("_seconds") and c not in head]
+    summaries = [c for c in columns if c.startswith(("test_", "val_")) and c not in head + timings]
+    rest = [c for c in columns if c not in head + timings + summaries]
+    return head + summaries + rest + timings
 
 
 def final_summary(final: dict) -> dict:

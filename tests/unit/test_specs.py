@@ -41,6 +41,9 @@ def test_every_option_default_reaches_the_api_and_the_command_line(options, comm
     actions = {a.dest: a for a in parser._actions}
     for f in dataclasses.fields(options):
         assert parameters[f.name].default == f.default, f.name
+        if f.metadata.get("flag", "") is None:  # the API's keyword alone: no flag
+            assert f.name not in actions, f.name
+            continue
         if "cli_default" in f.metadata:
             assert parsed[f.name] == f.metadata["cli_default"] and " ".join(map(str, f.default)) in actions[f.name].help
         else:
@@ -77,6 +80,22 @@ def test_each_option_default_is_written_once(options, command, api, path, functi
                         assert not set(literal) & flags, f"{name}: adds {literal} by hand"
     assert (SWEEP_DEFAULTS if options is SweepOptions else COMPARE_DEFAULTS) == {
         f.name: f.default for f in dataclasses.fields(options)}
+
+
+def test_compare_shows_its_progress_by_default():
+    """rayfl.compare prints its lines unless told not to, as run and tune do: the default is the field's, and the
+    command has no --progress flag (it always prints them; --quiet drops its round lines)."""
+    assert CompareOptions.progress is True and COMPARE_DEFAULTS["progress"] is True
+    assert inspect.signature(rayfl.compare).parameters["progress"].default is True
+    with pytest.raises(UserError, match="--progress"):
+        subparser("compare").parse_args(["--progress"])
+
+
+def test_compare_refuses_a_progress_that_is_neither_a_switch_nor_a_callable():
+    from rayfl.specs import CompareSpec
+
+    with pytest.raises(UserError, match=r"^progress='yes': must be True, False or a callable"):
+        CompareSpec(progress="yes").check()
 
 
 def test_the_flags_follow_their_fields():
