@@ -153,8 +153,10 @@ class TrackingSpec:
         return cls(resolve_tracking_uri(cfg.tracking_uri), cfg.experiment)
 
     def for_run(self, run_name: str, *, experiment_id: str | None = None, parent_run_id: str | None = None,
-                tags: dict | None = None, extra_params: dict | None = None, partition: dict | None = None) -> dict:
-        """The settings of one run's tracker (:class:`rayfl.tracking.MlflowTracker`), as the engine takes them."""
+                tags: dict | None = None, extra_params: dict | None = None, partition: dict | None = None,
+                selection: str | None = None) -> dict:
+        """The settings of one run's tracker (:class:`rayfl.tracking.MlflowTracker`), as the engine takes them
+        (``selection``: a sweep trial's selection metric)."""
         out = {"tracking_uri": self.uri, "run_name": run_name, "tags": tags or {}}
         out.update({"experiment_id": experiment_id} if experiment_id else {"experiment": self.experiment})
         if parent_run_id:
@@ -163,6 +165,8 @@ class TrackingSpec:
             out["extra_params"] = extra_params
         if partition is not None:
             out["partition"] = partition
+        if selection:
+            out["selection"] = selection
         return out
 
 

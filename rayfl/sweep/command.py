@@ -116,16 +116,19 @@ def _plain(value):
     return value.item() if hasattr(value, "item") else value
 
 
-def sweep_markdown(meta: dict, df, best: dict, best_run: tuple[str, str] | None = None, top: int = 10) -> str:
-    """The parent run's description: the best trial's knobs and metric (``best_run``: its MLflow run's id and
-    name, linked), the setting, the best trials as a table, and the command."""
-    from rayfl.tracking import setting
+def sweep_markdown(meta: dict, df, best: dict, best_run: tuple[str, str] | None = None, top: int = 10,
+                   final: dict | None = None) -> str:
+    """The parent run's description: one headline line (the best trial's selection metric, named, and its test
+    mean and worst client: ``final``, its last report), the best trial's knobs and metric (``best_run``: its
+    MLflow run's id and name, linked), the setting, the best trials as a table, and the command."""
+    from rayfl.tracking import best_trial_line, setting
 
     metric = meta["metric"]
     knobs = ", ".join(f"{k}={_show(v)}" for k, v in best.items() if k != metric)
     link = (f", its run [{best_run[1]}](#/experiments/{meta['experiment_id']}/runs/{best_run[0]})"
             if best_run else "")
-    lines = [f"**Best trial: {knobs or 'the only one'}**, {metric} {best[metric]:.4f} (final round){link}", "",
+    lines = [best_trial_line(metric, {**(final or {}), metric: best[metric]}), "",
+             f"Best trial: {knobs or 'the only one'}, {metric} {best[metric]:.4f} (final round){link}", "",
              f"{sweep_plan(meta)}; {setting(make_config(None, meta['base']))}", ""]
     cols = [c for c in (*meta["swept"], metric, "test_acc_mean", "test_loss_mean", "status", "rounds") if c in df]
     cols = list(dict.fromkeys(cols))
@@ -541,4 +544,4 @@ def _log_parent(parent, meta: dict, df, results_csv: str, best: dict | None) -> 
     except Exception:  # noqa: BLE001 - the description links it when it can
         best_run = None
     parent.set_tag("mlflow.note.content",
-                   sweep_markdown(meta, df, {**chosen, metric: best_metrics[metric]}, best_run))
+                   sweep_markdown(meta, df, {**chosen, metric: best_metrics[metric]}, best_run, final=best_metrics))

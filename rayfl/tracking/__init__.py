@@ -16,8 +16,8 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "tables": ("CLIENT_PREFIX", "client_table", "final_summary", "headline", "numeric", "pick_rounds",
-               "rounds_table", "setting", "summary_markdown", "write_client_table"),
+    "tables": ("CLIENT_PREFIX", "SELECTION_PREFIX", "best_trial_line", "client_table", "final_summary", "headline",
+               "numeric", "pick_rounds", "rounds_table", "setting", "summary_markdown", "write_client_table"),
     "store": ("CONNECT_TIMEOUT_S", "DEFAULT_TRACKING_URI", "answers", "artifact_root", "check_tracking_store",
               "ensure_experiment", "resolve_tracking_uri", "server_address", "store_error", "tracking_server_problem",
               "unreachable"),

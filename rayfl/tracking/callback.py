@@ -56,14 +56,17 @@ def _partition_report(prepared, given: dict | None):
 class MlflowTracker(Callback):
     def __init__(self, tracking_uri: str, experiment_id: str | None = None, run_name: str | None = None,
                  parent_run_id: str | None = None, extra_params: dict | None = None, tags: dict | None = None,
-                 run_id: str | None = None, experiment: str | None = None, partition: dict | None = None):
+                 run_id: str | None = None, experiment: str | None = None, partition: dict | None = None,
+                 selection: str | None = None):
         """``experiment_id``, or ``experiment``: a name, the experiment opened (created if missing) by the
         writer; ``tags``: the submitting process's provenance (rayfl.provenance.origin) and the sweep's own;
         ``run_id``: an MLflow run to reopen and go on with (a driver restarted after its predecessor died, a run
         resumed from its checkpoint: its submitter says which); ``on_run`` (an attribute) is told the run's id
         once the run exists, before its first round;
         ``partition``: the submitter's :class:`rayfl.data.report.PartitionReport` as a dict (a Ray driver's
-        dataset has no labels to count; without it the report holds split sizes only)."""
+        dataset has no labels to count; without it the report holds split sizes only);
+        ``selection``: the metric a sweep selects its trials on, also logged as ``Selection/<metric>`` (first in
+        MLflow's lists: rayfl.tracking.tables.SELECTION_PREFIX)."""
         self.uri = tracking_uri
         self.tags = tags or {}
         self.experiment_id, self.experiment = experiment_id, experiment
@@ -88,6 +91,7 @@ class MlflowTracker(Callback):
         self._cpu_start = 0.0  # ... when the first round began
         self.algo = ""
         self.partition = partition
+        self.selection = selection
         self.report = None  # the run's PartitionReport, made when it starts
         self.kept: dict[str, dict[int, np.ndarray]] = {}  # square round artifacts at a few rounds, for one figure
         self.warnings: list[str] = []  # the algorithm's caveats so far (Server.warnings): the tag rayfl.warnings
@@ -286,7 +290,8 @@ class MlflowTracker(Callback):
             if reuse:  # a stored stage (rayfl.stage_cache): its rounds, as if they had run here
                 now = int(time.time() * 1000)
                 self._log_items([Metric(k, v, now, h["step"] + 1) for h in reused
-                                 for k, v in _with_headline(numeric(h, finite_only=False)).items() if k != "step"])
+                                 for k, v in _with_headline(numeric(h, finite_only=False), self.selection).items()
+                                 if k != "step"])
                 self._log_tags({"rayfl.stage_reused": reuse[0], "rayfl.stage_key": reuse[1]})
             self._send_metrics()
             self.on_run(self.run_id)  # before the first round: whoever submitted the run learns its id
@@ -306,7 +311,7 @@ class MlflowTracker(Callback):
         step, per_client = record.step, record.per_client
         if step + 1 <= self._logged_upto:  # replayed after a driver restart: the run holds this round already
             return
-        metrics = {**_with_headline(numeric(record.metrics, finite_only=False)),
+        metrics = {**_with_headline(numeric(record.metrics, finite_only=False), self.selection),
                    "participants": float(len(record.participants))}
         if record.warnings:  # the algorithm's caveats stay with the run: a tag a runs table can show
             self.warnings += record.warnings

@@ -235,12 +235,21 @@ def test_grid_sweep_2x2_four_children_one_parent(ray_session, tmp_path, capsys):
     assert tags["rayfl.algo"] == "fedavg" and set(kids["tags.rayfl.command"]) == {tags["rayfl.command"]}
     best = table.sort_values("val_acc_mean", ascending=False).iloc[0]
     note = tags["mlflow.note.content"]
-    assert note.startswith(f"**Best trial: lr={best.lr:g}, local_epochs={best.local_epochs}**, val_acc_mean "
-                           f"{best.val_acc_mean:.4f} (final round), its run [lr=")
+    # its first line: the selection metric, named, and the best trial's test mean and worst client
+    head = note.splitlines()[0]
+    assert head.startswith(f"**best val_acc_mean {best.val_acc_mean:.2%}** · test accuracy {best.test_acc_mean:.2%}"
+                           f" · worst client ") and len(head) <= 100, head
+    assert note.splitlines()[2].startswith(f"Best trial: lr={best.lr:g}, local_epochs={best.local_epochs}, val_acc_mean "
+                                           f"{best.val_acc_mean:.4f} (final round), its run [lr=")
     assert "fedavg, 4 trial(s): lr in {0.05, 0.2} x local_epochs in {1, 2} (grid); fedavg on synthetic (iid)" in note
     assert note.count("| DONE |") == 4
     for run_id in kids.run_id:
         assert len(client.get_metric_history(run_id, "val_acc_mean")) == 2  # one per round
+        # the selection metric again under the name MLflow lists first (the compare page, the chart view)
+        selection = client.get_metric_history(run_id, "Selection/val_acc_mean")
+        assert [(m.step, m.value) for m in selection] == \
+            [(m.step, m.value) for m in client.get_metric_history(run_id, "val_acc_mean")]
+    assert set(kids["tags.rayfl.selection_metric"]) == {"val_acc_mean"}
     arts = {a.path for a in client.list_artifacts(parent, "results")} | {a.path for a in client.list_artifacts(parent, "plots")}
     assert "results/results.csv" in arts
     assert {"plots/val_acc_mean_vs_lr.png", "plots/val_acc_mean_vs_local_epochs.png",
