@@ -141,16 +141,18 @@ def check_resume(resume: Any, given: list[str], kind: str, style: str) -> str | 
 @dataclass(frozen=True)
 class TrackingSpec:
     """The tracking store (its URI resolved: the flag, else $MLFLOW_TRACKING_URI, else a local SQLite file;
-    local paths absolute) and the experiment a request's runs are logged to."""
+    local paths absolute) and the experiment a request's runs are logged to; ``system_metrics_interval``: the
+    config key, for the parent runs the session opens (a run's own tracker reads its config)."""
 
     uri: str
     experiment: str
+    system_metrics_interval: float = Config.system_metrics_interval
 
     @classmethod
     def of(cls, cfg: Config) -> "TrackingSpec":
         from rayfl.tracking import resolve_tracking_uri
 
-        return cls(resolve_tracking_uri(cfg.tracking_uri), cfg.experiment)
+        return cls(resolve_tracking_uri(cfg.tracking_uri), cfg.experiment, cfg.system_metrics_interval)
 
     def for_run(self, run_name: str, *, experiment_id: str | None = None, parent_run_id: str | None = None,
                 tags: dict | None = None, extra_params: dict | None = None, partition: dict | None = None,

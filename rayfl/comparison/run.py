@@ -417,6 +417,7 @@ def _compare(spec: CompareSpec, session: Session, planned: list, prepared: list,
     title = (f"{preset + ': ' if preset else ''}{base.dataset} ({base.partition}), {base.clients} clients, "
              f"{base.rounds} rounds: final round, mean ± std over {len(seeds)} seeds")
     _write_tables(out_dir, runs, table, text, preset)  # kept here whatever the tracking server does
+    parent_run.stop_system()  # its last sample sent; the parent's end goes with its records below
     metric = "test_acc_mean" if "test_acc_mean" in table else "test_loss_mean"
     curves = round_curves({row: histories[row] for row in order if row in histories}, metric)
     _parent_records(out_dir, parent, uri, runs, table, text, preset, agreement, provenance["rayfl.command"], title,

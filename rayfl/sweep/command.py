@@ -171,7 +171,8 @@ def run_sweep(s: SweepSpec) -> tuple[dict, int]:
         s.check()
         if s.resume:
             meta = resume_meta(s)
-            session.tracking = TrackingSpec(meta["tracking_uri"], meta["experiment"])
+            session.tracking = TrackingSpec(meta["tracking_uri"], meta["experiment"],
+                                            make_config(None, meta["base"]).system_metrics_interval)
         else:
             if isinstance(s.space, dict):
                 s.space, s.name = _write_space(s)
@@ -411,6 +412,7 @@ def _run(meta: dict, quiet: bool, resume: bool, session: Session) -> int:
         print(f"rayfl tune: interrupted; go on with: rayfl tune --resume {meta['sweep_dir']}", file=sys.stderr)
         return 130
     finally:
+        parent.stop_system()
         if server_answers():
             _close_children(parent, meta)
             parent.end(status)

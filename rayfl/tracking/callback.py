@@ -92,6 +92,8 @@ class MlflowTracker(Callback):
         self.algo = ""
         self.partition = partition
         self.selection = selection
+        self.system_interval = 0.0  # system_metrics_interval: seconds between MLflow's system metrics; 0: off
+        self.system = None  # rayfl.tracking.system.SystemMetrics, once the run exists
         self.report = None  # the run's PartitionReport, made when it starts
         self.kept: dict[str, dict[int, np.ndarray]] = {}  # square round artifacts at a few rounds, for one figure
         self.warnings: list[str] = []  # the algorithm's caveats so far (Server.warnings): the tag rayfl.warnings
@@ -130,6 +132,12 @@ class MlflowTracker(Callback):
 
     def _log_items(self, items: list) -> None:
         self.sender.put(("metrics", items))
+
+    def _system_sample(self, metrics: dict[str, float], step: int) -> None:
+        """A sample of MLflow's system metrics (the sampling thread's), queued for the writer's next batch."""
+        writer = self.writer
+        if writer is not None:
+            writer.submit(lambda: self._log_metrics(metrics, step))
 
     def _log_tags(self, tags: dict[str, str]) -> None:
         self.sender.put(("tags", [(k, str(v)) for k, v in tags.items()]))
@@ -228,6 +236,7 @@ class MlflowTracker(Callback):
         self.open()
         self.algo = loop.cfg.algo
         self.wait = float(getattr(loop.cfg, "tracking_wait", self.wait))
+        self.system_interval = float(getattr(loop.cfg, "system_metrics_interval", self.system_interval))
         self.client_metrics = loop.cfg.clients <= loop.cfg.client_metrics
         if loop.checkpoint_dir:
             root = loop.checkpoint_dir
@@ -275,6 +284,11 @@ class MlflowTracker(Callback):
             self.outbox.write_run(run_id=self.run_id, tracking_uri=self.uri, experiment_id=self.experiment_id,
                                   status=None, end_time=None)
             self.sender = Sender(client, self.run_id, self.uri, self.outbox, on_start=yield_cpu)
+            if self.system_interval > 0:  # sampled on a thread of its own, logged by the writer with the rounds
+                from rayfl.tracking.system import SystemMetrics
+
+                self.system = SystemMetrics(self.run_id, self.uri, self.system_interval, self._system_sample)
+                self.system.start()
             if not reopen:
                 self.sender.put(("params", [(k, str("" if v is None else v)) for k, v in params.items()]))
                 self._log_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False), "config.yaml")
@@ -417,6 +431,9 @@ class MlflowTracker(Callback):
         from rayfl.tracking.outbox import server_address, sync
 
         error = None
+        if self.system is not None:  # its last sample (the interval under way) goes with the last batch
+            self.system.stop()
+            self.system = None
         try:
             if self.writer is not None:
                 try:
