@@ -89,6 +89,27 @@ def preset_names() -> list[str]:
     return sorted(PRESETS)
 
 
+@dataclass
+class ViewOptions:
+    """Where a command's printed MLflow addresses point (``rayfl run``, ``tune`` and ``compare``'s ``--ui-port``)."""
+
+    ui_port: int | None = option(None, "port of the MLflow UI that the printed addresses point at (default: the "
+                                       "tracking server's own; for a local store `mlflow ui`'s 5000: give the --port "
+                                       "you start it with)", metavar="PORT")
+
+
+def check_ui_port(value: Any, style: str = "flag") -> int | None:
+    """The UI's port: an integer from 1 to 65535 (None: the default)."""
+    if value is None:
+        return None
+    text = str(value).strip()
+    if isinstance(value, bool) or not (isinstance(value, int) or text.isascii() and text.isdigit()) \
+            or not 1 <= int(text) <= 65535:
+        raise UserError(f"{shown_key('ui_port', style)}={value}: must be an integer port from 1 to 65535 (the one "
+                        f"`mlflow ui --port` listens on)")
+    return int(text)
+
+
 SWEEP_DEFAULTS = defaults(SweepOptions)
 COMPARE_DEFAULTS = defaults(CompareOptions)
 
@@ -186,6 +207,7 @@ class RunSpec:
     address: str | None = None
     command: str | None = None
     step_sizes: dict = field(default_factory=dict)  # a resume's lower step sizes: {"lr": ..., "params": {...}}
+    ui_port: int | None = ViewOptions.ui_port  # where the printed MLflow addresses point (check_ui_port)
 
 
 @dataclass
@@ -200,6 +222,7 @@ class SweepSpec(SweepOptions):
     address: str | None = None
     quiet: bool = False
     call: str | None = None
+    ui_port: int | None = ViewOptions.ui_port  # where the printed MLflow addresses point (check_ui_port)
 
     @property
     def style(self) -> str:
@@ -277,6 +300,7 @@ class CompareSpec(CompareOptions):
     config: dict = field(default_factory=dict)
     address: str | None = None
     command: str | None = None
+    ui_port: int | None = ViewOptions.ui_port  # where the printed MLflow addresses point (check_ui_port)
 
     def check(self) -> None:
         """The comparison's own options (its rows and seeds are checked as its configs are built)."""

@@ -47,7 +47,8 @@ def cmd_compare(args) -> int:
     if args.algos is not None and not algos:
         raise UserError(f"--algos {args.algos!r}: expected A,B,...")
     spec = CompareSpec(algos=algos, seeds=seeds, preset=args.preset, max_concurrent=args.max_concurrent,
-                       runtime=args.runtime, name=args.name, params=params, config=config, address=args.address)
+                       runtime=args.runtime, name=args.name, params=params, config=config, address=args.address,
+                       ui_port=args.ui_port)
     show = None if args.quiet else (lambda label, rec: print(f"{label:>14s}  {format_round(rec)}", flush=True))
     lines: list[str] = []  # the closing MLflow lines come after the table
     result = compare_spec(spec, on_round=show,

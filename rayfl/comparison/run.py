@@ -327,7 +327,7 @@ def _compare(spec: CompareSpec, session: Session, planned: list, prepared: list,
 
         say(f"compare: {len(order)} rows x {len(seeds)} seeds = {total} runs "
             f"({'one at a time, in this process' if runtime == 'local' else 'on Ray'}); parent run {parent}; "
-            f"watch it in MLflow: {ui_url(uri, exp_id, parent)}")
+            f"watch it in MLflow: {ui_url(uri, exp_id, parent, spec.ui_port)}")
         # once per seed: every row of a seed has its federation (a row with config of its own aside)
         first = {p.cfg.seed: reports[id(p)] for _, p in reversed(prepared)}
         for seed in seeds:
@@ -431,7 +431,7 @@ def _compare(spec: CompareSpec, session: Session, planned: list, prepared: list,
         from rayfl.progress import mlflow_hint
 
         say(f"compare: the table and each run's directory are in {out_dir}")
-        say(mlflow_hint(uri, exp_id, parent, what="this comparison"))
+        say(mlflow_hint(uri, exp_id, parent, what="this comparison", port=spec.ui_port))
     return result
 
 

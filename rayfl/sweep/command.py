@@ -151,7 +151,7 @@ def cmd_tune(args) -> int:
     options = {f: getattr(args, f) for f in SweepOptions.__dataclass_fields__}
     spec = SweepSpec(**options, config=args.config, params=parse_params(args.param),
                      values={k: v for k, v in vars(args).items() if k in FIELDS and k != "params"},
-                     resume=args.resume, address=args.address, quiet=args.quiet)
+                     resume=args.resume, address=args.address, quiet=args.quiet, ui_port=args.ui_port)
     try:
         return run_sweep(spec)[1]
     except KeyboardInterrupt:
@@ -180,7 +180,7 @@ def run_sweep(s: SweepSpec) -> tuple[dict, int]:
             session.connect_early()
             meta = _new_sweep(s, session)
         session.start_ray()
-        return meta, _run(meta, s.quiet, bool(s.resume), session)
+        return meta, _run(meta, s.quiet, bool(s.resume), session, s.ui_port)
 
 
 def _write_space(s: SweepSpec) -> tuple[str, str]:
@@ -286,7 +286,7 @@ def _default_concurrency(meta: dict, cluster) -> int:
     return max(1, min(meta["n_trials"], slots(make_config(None, meta["base"]), cluster)))
 
 
-def _run(meta: dict, quiet: bool, resume: bool, session: Session) -> int:
+def _run(meta: dict, quiet: bool, resume: bool, session: Session, ui_port: int | None = None) -> int:
     import ray
     from ray import tune
 
@@ -349,7 +349,8 @@ def _run(meta: dict, quiet: bool, resume: bool, session: Session) -> int:
     print(f"rayfl tune: sweep directory {meta['sweep_dir']} (resume with --resume {meta['sweep_dir']}); "
           f"MLflow parent run {meta['parent_run_id']}", flush=True)
     partition(report, lambda line: print(line, flush=True), prefix="rayfl tune: ")  # once per sweep, with its caveat
-    print(f"rayfl tune: watch it in MLflow: {ui_url(meta['tracking_uri'], meta['experiment_id'], meta['parent_run_id'])}",
+    print(f"rayfl tune: watch it in MLflow: "
+          f"{ui_url(meta['tracking_uri'], meta['experiment_id'], meta['parent_run_id'], ui_port)}",
           flush=True)
 
     from rayfl.sweep.records import ledger_callback, read_records, write_records
@@ -404,7 +405,8 @@ def _run(meta: dict, quiet: bool, resume: bool, session: Session) -> int:
                     reuse_actors=True),  # an in-process trial's process, imports and data cache serve the next
                 run_config=run_config)
             tuner.fit()
-        code = _finish(meta, read_records(meta["sweep_dir"], meta["swept"]), parent if server_answers() else None)
+        code = _finish(meta, read_records(meta["sweep_dir"], meta["swept"]), parent if server_answers() else None,
+                       ui_port)
         status = "FINISHED" if code == 0 else "FAILED"
         return code
     except KeyboardInterrupt:
@@ -474,9 +476,10 @@ def best_record(records: dict, meta: dict) -> dict | None:
     return max(scored, key=lambda rec: sign * rec["result"][metric]) if scored else None
 
 
-def _finish(meta: dict, records: dict, parent) -> int:
+def _finish(meta: dict, records: dict, parent, ui_port: int | None = None) -> int:
     """The results table printed (and in the sweep directory); the parent run (a :class:`rayfl.tracking.ParentRun`)
-    gets it, its plots and the best trial, unless ``parent`` is None (its tracking server did not answer)."""
+    gets it, its plots and the best trial, unless ``parent`` is None (its tracking server did not answer);
+    ``ui_port``: where the printed MLflow addresses point (``--ui-port``)."""
     df = results_table(records, meta)
     meta["stopped_trials"] = list(df.trial[df.status == "STOPPED"]) if len(df) else []
     run_id, metric = meta["parent_run_id"], meta["metric"]
@@ -505,7 +508,7 @@ def _finish(meta: dict, records: dict, parent) -> int:
               f"{len(df)} child run(s)")
         from rayfl.progress import mlflow_hint
 
-        print(mlflow_hint(meta["tracking_uri"], meta["experiment_id"], run_id, what="this sweep"))
+        print(mlflow_hint(meta["tracking_uri"], meta["experiment_id"], run_id, what="this sweep", port=ui_port))
     if errors:
         print(f"rayfl tune: {errors} trial(s) failed; see {meta['sweep_dir']}", file=sys.stderr)
     return 0
