@@ -93,9 +93,9 @@ def preset_names() -> list[str]:
 class ViewOptions:
     """Where a command's printed MLflow addresses point (``rayfl run``, ``tune`` and ``compare``'s ``--ui-port``)."""
 
-    ui_port: int | None = option(None, "port of the MLflow UI that the printed addresses point at (default: the "
-                                       "tracking server's own; for a local store `mlflow ui`'s 5000: give the --port "
-                                       "you start it with)", metavar="PORT")
+    ui_port: int | None = option(None, "port of the MLflow UI that the printed addresses point at: the --port you "
+                                       "start `mlflow ui` with (default: 5000, its own, for a local store; a tracking "
+                                       "server's own address)", metavar="PORT")
 
 
 def check_ui_port(value: Any, style: str = "flag") -> int | None:
