@@ -1,5 +1,5 @@
 """System metrics of a run: MLflow's own samplers (CPU and memory, disk, network, and each GPU where pynvml or
-pyrocml sees one), as MLflow's ``start_run(log_system_metrics=True)`` logs them (``system/cpu_utilization_percentage``,
+pyrsmi sees one), as MLflow's ``start_run(log_system_metrics=True)`` logs them (``system/cpu_utilization_percentage``,
 ``system/system_memory_usage_megabytes``, ...: the run page's "System metrics" section). rayfl opens its runs with
 ``MlflowClient.create_run``, which MLflow's switch does not reach, and sends what a run logs through its own
 writer (a run's records wait out a tracking server that is away): so the sampling thread is ours, and it hands
@@ -20,7 +20,8 @@ PREFIX = "system/"  # MLflow's (SystemMetricsMonitor._metrics_prefix): the UI's 
 
 class SystemMetrics:
     """Samples every ``interval`` seconds, each handed to ``deliver(metrics, step)`` (steps 0, 1, ...), from a
-    daemon thread until :meth:`stop`. ``deliver`` should not block: it runs on the sampling thread."""
+    daemon thread until :meth:`stop`. ``deliver`` runs on that thread: a run's queues the sample for its writer,
+    a parent run's sends it (and :meth:`stop` waits for it at most its ``timeout``)."""
 
     def __init__(self, run_id: str, uri: str, interval: float, deliver: Callable[[dict[str, float], int], None]):
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
