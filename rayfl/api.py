@@ -250,7 +250,7 @@ def run_spec(spec: RunSpec, progress: Progress = lambda e: None) -> RunResult:
         run_dir = os.path.abspath(resume) if resume else session.run_dir(cfg, run_name)
         report = PartitionReport.of(prepared)
         progress({"event": "plan", "cfg": cfg, "prepared": prepared, "run_dir": run_dir, "tracking_uri": tracking.uri,
-                  "run_name": run_name, "partition": report})
+                  "run_name": run_name, "partition": report, "ui_port": spec.ui_port})
         session.start_ray()
         clock, walls = RoundClock(), {}
 

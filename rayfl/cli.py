@@ -116,7 +116,8 @@ def cmd_run(args) -> int:
     resume = check_resume(args.resume, [g for g in given if not (g == "--param" and steps_only)], "run", "flag")
     steps = {**({"lr": args.lr} if getattr(args, "lr", None) is not None else {}),
              **({"params": parse_params(args.param)} if args.param else {})} if resume else {}
-    spec = RunSpec(None if resume else config_from_args(args), resume, args.address, step_sizes=steps)
+    spec = RunSpec(None if resume else config_from_args(args), resume, args.address, step_sizes=steps,
+                   ui_port=args.ui_port)
     console = ConsoleProgress(rounds=not args.quiet)
     plan: dict = {}
 
@@ -158,7 +159,7 @@ def cmd_run(args) -> int:
     print(f"\nfinal round{where if 'round' in result.final else ''}, across clients:")
     print(summary_table(result.final, result.worst_test_samples, result.caveat))  # its caveats beside it
     print(f"\nMLflow run {result.run_id} in experiment {plan['cfg'].experiment!r} at {result.tracking_uri}")
-    print(mlflow_hint(result.tracking_uri, result.experiment_id, result.run_id))
+    print(mlflow_hint(result.tracking_uri, result.experiment_id, result.run_id, port=args.ui_port))
     if result.tracking_unsent:  # the run is complete; its MLflow run is not, until rayfl sync
         print(result.tracking_unsent, file=sys.stderr)
     return 0
@@ -222,6 +223,10 @@ def main(argv=None) -> int:
         if args.command is None:
             parser.print_help()
             return 0
+        if getattr(args, "ui_port", None) is not None:  # run, tune, compare: before anything starts
+            from rayfl.specs import check_ui_port
+
+            args.ui_port = check_ui_port(args.ui_port)
         if args.command in ("run", "tune", "compare"):  # the commands that start Ray: a Ray rayfl supports
             from rayfl.ray_compat import check_ray_version
 

@@ -103,6 +103,7 @@ class Config:
     out_dir: str = "rayfl-runs"
     tracking_uri: str | None = None  # None: MLFLOW_TRACKING_URI, else sqlite:///mlflow.db
     tracking_wait: float = 300.0  # seconds a run's end waits for a tracking server that does not answer
+    system_metrics_interval: float = 10.0  # seconds between samples of CPU, memory, GPU (MLflow's system metrics); 0: off
     experiment: str = "rayfl"
     run_name: str | None = None
     stage_cache: str = ""  # directory shared by runs to reuse stages (rayfl.stage_cache); "": off
@@ -178,6 +179,9 @@ class Config:
             raise UserError(f"capacity_wait={self.capacity_wait}: must be a finite number of seconds >= 0")
         if not 0 <= self.tracking_wait < float("inf"):
             raise UserError(f"tracking_wait={self.tracking_wait}: must be a finite number of seconds >= 0")
+        if not 0 <= self.system_metrics_interval < float("inf"):
+            raise UserError(f"system_metrics_interval={self.system_metrics_interval}: must be a finite number of "
+                            f"seconds >= 0 (0: no system metrics)")
         for name in ("momentum", "weight_decay", "cpus_per_actor"):
             if not getattr(self, name) >= 0:
                 raise UserError(f"{name}={getattr(self, name)}: must be >= 0")
@@ -310,7 +314,8 @@ FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 # location, where the data itself is compared by content): a checkpoint resumes, and a stored stage is shared,
 # across other values of these.
 NOT_RESULTS = frozenset({"out_dir", "tracking_uri", "experiment", "run_name", "client_metrics", "checkpoint_every",
-                         "snapshot_every", "max_restarts", "capacity_wait", "tracking_wait", "stage_cache", "clients_per_actor", "cpus_per_actor",
+                         "snapshot_every", "max_restarts", "capacity_wait", "tracking_wait", "system_metrics_interval",
+                         "stage_cache", "clients_per_actor", "cpus_per_actor",
                          "gpus_per_actor", "torch_threads", "data_root", "download"})
 
 

@@ -64,6 +64,9 @@ GROUPS = {
         "tracking_uri": "MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)",
         "tracking_wait": "seconds the run's end waits for a tracking server that does not answer; then what was "
                          "not sent stays in the run directory, for `rayfl sync RUN_DIR`",
+        "system_metrics_interval": "seconds between samples of CPU, memory, disk, network and GPU use (MLflow's "
+                                   "system metrics; GPUs need `pip install nvidia-ml-py`) for a run and a sweep's or "
+                                   "comparison's parent run (0: off)",
         "experiment": "MLflow experiment name",
         "run_name": "MLflow run name",
         "stage_cache": "directory where runs share stages whose inputs agree, e.g. PersFL's FedAvg stage "

@@ -85,9 +85,12 @@ def add_options(group, options: type) -> None:
 
 
 def add_session_arguments(group, resume: str | None = None) -> None:
-    """The flags every command that runs experiments takes: where Ray is, whether rounds are shown, and (with
-    ``resume``: its help) ``--resume``."""
+    """The flags every command that runs experiments takes: where Ray is, whether rounds are shown, where the
+    MLflow UI is (``--ui-port``), and (with ``resume``: its help) ``--resume``."""
     if resume:
         group.add_argument("--resume", metavar="DIR", help=resume)
+    from rayfl.specs import ViewOptions
+
     group.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else a new local instance)")
     group.add_argument("--quiet", action="store_true", help="no per-round progress lines")
+    add_options(group, ViewOptions)

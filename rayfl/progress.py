@@ -114,6 +114,7 @@ class ConsoleProgress:
         self.since: float | None = None  # when the command made its plan: elapsed times count its start-up
         self.epsilon: float | None = None  # a private run's largest ε so far (rounds without evaluation repeat it)
         self.tracking_uri: str | None = None  # the run's store, from its plan: where its MLflow page is
+        self.ui_port: int | None = None  # the MLflow UI's port, from its plan (--ui-port)
 
     def __call__(self, event: dict) -> None:
         handler = getattr(self, "on_" + event["event"], None)
@@ -137,6 +138,7 @@ class ConsoleProgress:
         cfg, p = e["cfg"], e["prepared"]
         self.since = time.monotonic()
         self.tracking_uri = e.get("tracking_uri")
+        self.ui_port = e.get("ui_port")
         knobs = ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(p.params).items())
         from rayfl.privacy import headline
 
@@ -148,7 +150,8 @@ class ConsoleProgress:
 
     def on_mlflow_run(self, e: dict) -> None:
         if self.tracking_uri and e.get("experiment_id"):
-            self.write(f"rayfl: watch it in MLflow: {ui_url(self.tracking_uri, e['experiment_id'], e['run_id'])}")
+            self.write(f"rayfl: watch it in MLflow: "
+                       f"{ui_url(self.tracking_uri, e['experiment_id'], e['run_id'], self.ui_port)}")
 
     def on_cluster(self, e: dict) -> None:
         if e["state"] == "starting":
@@ -199,25 +202,38 @@ def partition(report, write: Callable[[str], None] = print, prefix: str = "rayfl
         write(f"{prefix}warning: {warning}")
 
 
-def ui_url(tracking_uri: str, experiment_id: str, run_id: str | None = None,
-           base: str = "http://127.0.0.1:5000") -> str:
-    """Where the MLflow UI shows an experiment's runs table in its model-training view (MLflow 3 opens
-    an experiment on its GenAI page otherwise), or one run's page."""
-    if tracking_uri.startswith(("http://", "https://")):
-        base = tracking_uri.rstrip("/")
+def ui_base(tracking_uri: str, port: int | None = None) -> str:
+    """Where the MLflow UI is: a tracking server's own address (``port``: the UI's, when it is reached at
+    another, e.g. through a tunnel), else ``mlflow ui`` on this machine at ``port`` (default 5000, its own)."""
+    if not tracking_uri.startswith(("http://", "https://")):
+        return f"http://127.0.0.1:{port or 5000}"
+    base = tracking_uri.rstrip("/")
+    if port is None:
+        return base
+    import urllib.parse
+
+    url = urllib.parse.urlparse(base)
+    host = url.hostname or "127.0.0.1"
+    return url._replace(netloc=f"[{host}]:{port}" if ":" in host else f"{host}:{port}").geturl()
+
+
+def ui_url(tracking_uri: str, experiment_id: str, run_id: str | None = None, port: int | None = None) -> str:
+    """Where the MLflow UI (:func:`ui_base`) shows an experiment's runs table in its model-training view
+    (MLflow 3 opens an experiment on its GenAI page otherwise), or one run's page."""
     page = f"runs/{run_id}" if run_id else "runs"
-    return f"{base}/#/experiments/{experiment_id}/{page}?workflowType=machine_learning"
+    return f"{ui_base(tracking_uri, port)}/#/experiments/{experiment_id}/{page}?workflowType=machine_learning"
 
 
-def mlflow_hint(tracking_uri: str, experiment_id: str, run_id: str | None = None, what: str = "this run") -> str:
-    """The closing lines: how to start the UI on this store, the address that lands on the runs and the one of
-    ``run_id`` (``what``: this run, this sweep, this comparison)."""
+def mlflow_hint(tracking_uri: str, experiment_id: str, run_id: str | None = None, what: str = "this run",
+                port: int | None = None) -> str:
+    """The closing lines: how to start the UI on this store (at ``port``: ``--ui-port``), the address that
+    lands on the runs and the one of ``run_id`` (``what``: this run, this sweep, this comparison)."""
     lines = []
     if not tracking_uri.startswith(("http://", "https://")):
-        lines.append(f"look at it: mlflow ui --backend-store-uri {tracking_uri}")
-    lines.append(f"  then open {ui_url(tracking_uri, experiment_id)}")
+        lines.append(f"look at it: mlflow ui --backend-store-uri {tracking_uri}" + (f" --port {port}" if port else ""))
+    lines.append(f"  then open {ui_url(tracking_uri, experiment_id, port=port)}")
     if run_id:
-        lines.append(f"  {what}: {ui_url(tracking_uri, experiment_id, run_id)}")
+        lines.append(f"  {what}: {ui_url(tracking_uri, experiment_id, run_id, port)}")
     lines.append('  (if MLflow shows its GenAI overview instead, click "Model training" in the GenAI | Model training '
                  'switch at the top left)')
     return "\n".join(lines)

@@ -391,15 +391,20 @@ class Session:
         return self._experiment_id
 
     def open_parent(self, name: str, tags: dict, params: dict | None = None):
-        """A new MLflow parent run (:class:`rayfl.tracking.ParentRun`) in the experiment."""
+        """A new MLflow parent run (:class:`rayfl.tracking.ParentRun`) in the experiment, sampling this machine's
+        system metrics every ``system_metrics_interval`` seconds until it ends."""
         from rayfl.tracking import ParentRun
 
-        return ParentRun.create(self.tracking.uri, self.experiment_id(), name, tags, params)
+        run = ParentRun.create(self.tracking.uri, self.experiment_id(), name, tags, params)
+        run.sample_system(self.tracking.system_metrics_interval)
+        return run
 
     def reopen_parent(self, run_id: str):
         from rayfl.tracking import ParentRun
 
-        return ParentRun.reopen(self.tracking.uri, run_id)
+        run = ParentRun.reopen(self.tracking.uri, run_id)
+        run.sample_system(self.tracking.system_metrics_interval)
+        return run
 
     def run_dir(self, cfg, run_name: str) -> str:
         """A run directory (:func:`make_run_dir`) recording the tracking URI used."""

@@ -93,6 +93,27 @@ def preset_names() -> list[str]:
     return sorted(PRESETS)
 
 
+@dataclass
+class ViewOptions:
+    """Where a command's printed MLflow addresses point (``rayfl run``, ``tune`` and ``compare``'s ``--ui-port``)."""
+
+    ui_port: int | None = option(None, "port of the MLflow UI that the printed addresses point at: the --port you "
+                                       "start `mlflow ui` with (default: 5000, its own, for a local store; a tracking "
+                                       "server's own address)", metavar="PORT")
+
+
+def check_ui_port(value: Any, style: str = "flag") -> int | None:
+    """The UI's port: an integer from 1 to 65535 (None: the default)."""
+    if value is None:
+        return None
+    text = str(value).strip()
+    if isinstance(value, bool) or not (isinstance(value, int) or text.isascii() and text.isdigit()) \
+            or not 1 <= int(text) <= 65535:
+        raise UserError(f"{shown_key('ui_port', style)}={value}: must be an integer port from 1 to 65535 (the one "
+                        f"`mlflow ui --port` listens on)")
+    return int(text)
+
+
 SWEEP_DEFAULTS = defaults(SweepOptions)
 COMPARE_DEFAULTS = defaults(CompareOptions)
 
@@ -145,20 +166,24 @@ def check_resume(resume: Any, given: list[str], kind: str, style: str) -> str | 
 @dataclass(frozen=True)
 class TrackingSpec:
     """The tracking store (its URI resolved: the flag, else $MLFLOW_TRACKING_URI, else a local SQLite file;
-    local paths absolute) and the experiment a request's runs are logged to."""
+    local paths absolute) and the experiment a request's runs are logged to; ``system_metrics_interval``: the
+    config key, for the parent runs the session opens (a run's own tracker reads its config)."""
 
     uri: str
     experiment: str
+    system_metrics_interval: float = Config.system_metrics_interval
 
     @classmethod
     def of(cls, cfg: Config) -> "TrackingSpec":
         from rayfl.tracking import resolve_tracking_uri
 
-        return cls(resolve_tracking_uri(cfg.tracking_uri), cfg.experiment)
+        return cls(resolve_tracking_uri(cfg.tracking_uri), cfg.experiment, cfg.system_metrics_interval)
 
     def for_run(self, run_name: str, *, experiment_id: str | None = None, parent_run_id: str | None = None,
-                tags: dict | None = None, extra_params: dict | None = None, partition: dict | None = None) -> dict:
-        """The settings of one run's tracker (:class:`rayfl.tracking.MlflowTracker`), as the engine takes them."""
+                tags: dict | None = None, extra_params: dict | None = None, partition: dict | None = None,
+                selection: str | None = None) -> dict:
+        """The settings of one run's tracker (:class:`rayfl.tracking.MlflowTracker`), as the engine takes them
+        (``selection``: a sweep trial's selection metric)."""
         out = {"tracking_uri": self.uri, "run_name": run_name, "tags": tags or {}}
         out.update({"experiment_id": experiment_id} if experiment_id else {"experiment": self.experiment})
         if parent_run_id:
@@ -167,6 +192,8 @@ class TrackingSpec:
             out["extra_params"] = extra_params
         if partition is not None:
             out["partition"] = partition
+        if selection:
+            out["selection"] = selection
         return out
 
 
@@ -184,6 +211,7 @@ class RunSpec:
     address: str | None = None
     command: str | None = None
     step_sizes: dict = field(default_factory=dict)  # a resume's lower step sizes: {"lr": ..., "params": {...}}
+    ui_port: int | None = ViewOptions.ui_port  # where the printed MLflow addresses point (check_ui_port)
 
 
 @dataclass
@@ -198,6 +226,7 @@ class SweepSpec(SweepOptions):
     address: str | None = None
     quiet: bool = False
     call: str | None = None
+    ui_port: int | None = ViewOptions.ui_port  # where the printed MLflow addresses point (check_ui_port)
 
     @property
     def style(self) -> str:
@@ -275,6 +304,7 @@ class CompareSpec(CompareOptions):
     config: dict = field(default_factory=dict)
     address: str | None = None
     command: str | None = None
+    ui_port: int | None = ViewOptions.ui_port  # where the printed MLflow addresses point (check_ui_port)
 
     def check(self) -> None:
         """The comparison's own options (its rows and seeds are checked as its configs are built)."""

@@ -341,7 +341,7 @@ def _compare(spec: CompareSpec, session: Session, planned: list, prepared: list,
 
         say(f"compare: {len(order)} rows x {len(seeds)} seeds = {total} runs "
             f"({'one at a time, in this process' if runtime == 'local' else 'on Ray'}); parent run {parent}; "
-            f"watch it in MLflow: {ui_url(uri, exp_id, parent)}")
+            f"watch it in MLflow: {ui_url(uri, exp_id, parent, spec.ui_port)}")
         # once per seed: every row of a seed has its federation (a row with config of its own aside)
         first = {p.cfg.seed: reports[id(p)] for _, p in reversed(prepared)}
         for seed in seeds:
@@ -431,6 +431,7 @@ def _compare(spec: CompareSpec, session: Session, planned: list, prepared: list,
     title = (f"{preset + ': ' if preset else ''}{base.dataset} ({base.partition}), {base.clients} clients, "
              f"{base.rounds} rounds: final round, mean ± std over {len(seeds)} seeds")
     _write_tables(out_dir, runs, table, text, preset)  # kept here whatever the tracking server does
+    parent_run.stop_system()  # its last sample sent; the parent's end goes with its records below
     metric = "test_acc_mean" if "test_acc_mean" in table else "test_loss_mean"
     curves = round_curves({row: histories[row] for row in order if row in histories}, metric)
     _parent_records(out_dir, parent, uri, runs, table, text, preset, agreement, provenance["rayfl.command"], title,
@@ -444,7 +445,7 @@ def _compare(spec: CompareSpec, session: Session, planned: list, prepared: list,
         from rayfl.progress import mlflow_hint
 
         say(f"compare: the table and each run's directory are in {out_dir}")
-        say(mlflow_hint(uri, exp_id, parent, what="this comparison"))
+        say(mlflow_hint(uri, exp_id, parent, what="this comparison", port=spec.ui_port))
     return result
 
 

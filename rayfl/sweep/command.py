@@ -116,16 +116,19 @@ def _plain(value):
     return value.item() if hasattr(value, "item") else value
 
 
-def sweep_markdown(meta: dict, df, best: dict, best_run: tuple[str, str] | None = None, top: int = 10) -> str:
-    """The parent run's description: the best trial's knobs and metric (``best_run``: its MLflow run's id and
-    name, linked), the setting, the best trials as a table, and the command."""
-    from rayfl.tracking import setting
+def sweep_markdown(meta: dict, df, best: dict, best_run: tuple[str, str] | None = None, top: int = 10,
+                   final: dict | None = None) -> str:
+    """The parent run's description: one headline line (the best trial's selection metric, named, and its test
+    mean and worst client: ``final``, its last report), the best trial's knobs and metric (``best_run``: its
+    MLflow run's id and name, linked), the setting, the best trials as a table, and the command."""
+    from rayfl.tracking import best_trial_line, setting
 
     metric = meta["metric"]
     knobs = ", ".join(f"{k}={_show(v)}" for k, v in best.items() if k != metric)
     link = (f", its run [{best_run[1]}](#/experiments/{meta['experiment_id']}/runs/{best_run[0]})"
             if best_run else "")
-    lines = [f"**Best trial: {knobs or 'the only one'}**, {metric} {best[metric]:.4f} (final round){link}", "",
+    lines = [best_trial_line(metric, {**(final or {}), metric: best[metric]}), "",
+             f"Best trial: {knobs or 'the only one'}, {metric} {best[metric]:.4f} (final round){link}", "",
              f"{sweep_plan(meta)}; {setting(make_config(None, meta['base']))}", ""]
     cols = [c for c in (*meta["swept"], metric, "test_acc_mean", "test_loss_mean", "status", "rounds") if c in df]
     cols = list(dict.fromkeys(cols))
@@ -148,7 +151,7 @@ def cmd_tune(args) -> int:
     options = {f: getattr(args, f) for f in SweepOptions.__dataclass_fields__}
     spec = SweepSpec(**options, config=args.config, params=parse_params(args.param),
                      values={k: v for k, v in vars(args).items() if k in FIELDS and k != "params"},
-                     resume=args.resume, address=args.address, quiet=args.quiet)
+                     resume=args.resume, address=args.address, quiet=args.quiet, ui_port=args.ui_port)
     try:
         return run_sweep(spec)[1]
     except KeyboardInterrupt:
@@ -170,7 +173,8 @@ def run_sweep(s: SweepSpec) -> tuple[dict, int]:
         s.check()
         if s.resume:
             meta = resume_meta(s)
-            session.tracking = TrackingSpec(meta["tracking_uri"], meta["experiment"])
+            session.tracking = TrackingSpec(meta["tracking_uri"], meta["experiment"],
+                                            make_config(None, meta["base"]).system_metrics_interval)
         else:
             if isinstance(s.space, dict):
                 s.space, s.name = _write_space(s)
@@ -178,7 +182,7 @@ def run_sweep(s: SweepSpec) -> tuple[dict, int]:
             session.connect_early()
             meta = _new_sweep(s, session)
         session.start_ray()
-        return meta, _run(meta, s.quiet, bool(s.resume), session, tables=s.call is None)
+        return meta, _run(meta, s.quiet, bool(s.resume), session, s.ui_port, tables=s.call is None)
 
 
 def _write_space(s: SweepSpec) -> tuple[str, str]:
@@ -284,9 +288,11 @@ def _default_concurrency(meta: dict, cluster) -> int:
     return max(1, min(meta["n_trials"], slots(make_config(None, meta["base"]), cluster)))
 
 
-def _run(meta: dict, quiet: bool, resume: bool, session: Session, tables: bool = True) -> int:
-    """The sweep, and its end (:func:`_finish`); ``tables``: print the results table and the best trial's (the
-    command does; :func:`rayfl.tune`'s result shows them, once)."""
+def _run(meta: dict, quiet: bool, resume: bool, session: Session, ui_port: int | None = None,
+         tables: bool = True) -> int:
+    """The sweep, and its end (:func:`_finish`); ``ui_port``: where the printed MLflow addresses point
+    (``--ui-port``); ``tables``: print the results table and the best trial's (the command does; :func:`rayfl.tune`'s
+    result shows them, once)."""
     import ray
     from ray import tune
 
@@ -349,7 +355,8 @@ def _run(meta: dict, quiet: bool, resume: bool, session: Session, tables: bool =
     print(f"rayfl tune: sweep directory {meta['sweep_dir']} (resume with --resume {meta['sweep_dir']}); "
           f"MLflow parent run {meta['parent_run_id']}", flush=True)
     partition(report, lambda line: print(line, flush=True), prefix="rayfl tune: ")  # once per sweep, with its caveat
-    print(f"rayfl tune: watch it in MLflow: {ui_url(meta['tracking_uri'], meta['experiment_id'], meta['parent_run_id'])}",
+    print(f"rayfl tune: watch it in MLflow: "
+          f"{ui_url(meta['tracking_uri'], meta['experiment_id'], meta['parent_run_id'], ui_port)}",
           flush=True)
 
     from rayfl.sweep.records import ledger_callback, read_records, write_records
@@ -406,7 +413,7 @@ def _run(meta: dict, quiet: bool, resume: bool, session: Session, tables: bool =
                 run_config=run_config)
             tuner.fit()
         code = _finish(meta, read_records(meta["sweep_dir"], meta["swept"]), parent if server_answers() else None,
-                       tables)
+                       ui_port, tables)
         status = "FINISHED" if code == 0 else "FAILED"
         return code
     except KeyboardInterrupt:
@@ -414,6 +421,7 @@ def _run(meta: dict, quiet: bool, resume: bool, session: Session, tables: bool =
         print(f"rayfl tune: interrupted; go on with: rayfl tune --resume {meta['sweep_dir']}", file=sys.stderr)
         return 130
     finally:
+        parent.stop_system()
         if server_answers():
             _close_children(parent, meta)
             parent.end(status)
@@ -475,10 +483,11 @@ def best_record(records: dict, meta: dict) -> dict | None:
     return max(scored, key=lambda rec: sign * rec["result"][metric]) if scored else None
 
 
-def _finish(meta: dict, records: dict, parent, tables: bool = True) -> int:
+def _finish(meta: dict, records: dict, parent, ui_port: int | None = None, tables: bool = True) -> int:
     """The results table printed (``tables``; else left to the API's result, but when no trial reported the
     metric) and in the sweep directory; the parent run (a :class:`rayfl.tracking.ParentRun`) gets it, its plots
-    and the best trial, unless ``parent`` is None (its tracking server did not answer)."""
+    and the best trial, unless ``parent`` is None (its tracking server did not answer); ``ui_port``: where the
+    printed MLflow addresses point (``--ui-port``)."""
     df = results_table(records, meta)
     meta["stopped_trials"] = list(df.trial[df.status == "STOPPED"]) if len(df) else []
     run_id, metric = meta["parent_run_id"], meta["metric"]
@@ -509,7 +518,7 @@ def _finish(meta: dict, records: dict, parent, tables: bool = True) -> int:
               f"{len(df)} child run(s)")
         from rayfl.progress import mlflow_hint
 
-        print(mlflow_hint(meta["tracking_uri"], meta["experiment_id"], run_id, what="this sweep"))
+        print(mlflow_hint(meta["tracking_uri"], meta["experiment_id"], run_id, what="this sweep", port=ui_port))
     if errors:
         print(f"rayfl tune: {errors} trial(s) failed; see {meta['sweep_dir']}", file=sys.stderr)
     return 0
@@ -550,4 +559,4 @@ def _log_parent(parent, meta: dict, df, results_csv: str, best: dict | None) -> 
     except Exception:  # noqa: BLE001 - the description links it when it can
         best_run = None
     parent.set_tag("mlflow.note.content",
-                   sweep_markdown(meta, df, {**chosen, metric: best_metrics[metric]}, best_run))
+                   sweep_markdown(meta, df, {**chosen, metric: best_metrics[metric]}, best_run, final=best_metrics))

@@ -76,9 +76,11 @@ def run_trial(config: dict, ctx: TrialContext) -> None:
     swept = {k: config[k] for k in ctx.swept if k in config}
     tracking = ctx.tracking.for_run(
         trial_name(swept, values), experiment_id=ctx.experiment_id, parent_run_id=ctx.parent_run_id,
-        tags={**ctx.provenance, "rayfl.role": "trial", "rayfl.sweep": ctx.name, "rayfl.trial": trial_id},
+        tags={**ctx.provenance, "rayfl.role": "trial", "rayfl.sweep": ctx.name, "rayfl.trial": trial_id,
+              "rayfl.selection_metric": ctx.metric},
         extra_params={"tune_role": "trial", "tune_trial_id": trial_id, "tune_sweep": ctx.name,
-                      "tune_swept": ",".join(ctx.swept), "tune_bundles": json.dumps(bundles)})
+                      "tune_swept": ",".join(ctx.swept), "tune_bundles": json.dumps(bundles)},
+        selection=ctx.metric)  # logged as Selection/<metric> too: MLflow lists it first
     metric = ctx.metric
     state = {"metric": None, "held": None, "rounds_run": 0, "reused": 0}
 

@@ -3,6 +3,7 @@
 - :mod:`~rayfl.tracking.tables`: a run's results as tables and text (no MLflow);
 - :mod:`~rayfl.tracking.store`: the tracking URI, checks of a store before anything starts, the experiment;
 - :mod:`~rayfl.tracking.writer`: the background thread that does a run's logging;
+- :mod:`~rayfl.tracking.system`: MLflow's system metrics (CPU, memory, GPU), sampled while a run lasts;
 - :mod:`~rayfl.tracking.callback`: :class:`MlflowTracker`, the loop callback that logs a run;
 - :mod:`~rayfl.tracking.outbox`: what a run has not delivered yet, and ``rayfl sync``;
 - :mod:`~rayfl.tracking.runs`: parent runs, runs a dead driver left, the run id a run directory records.
@@ -16,8 +17,8 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "tables": ("CLIENT_PREFIX", "client_table", "final_summary", "headline", "numeric", "pick_rounds",
-               "rounds_table", "setting", "summary_markdown", "write_client_table"),
+    "tables": ("CLIENT_PREFIX", "SELECTION_PREFIX", "best_trial_line", "client_table", "final_summary", "headline",
+               "numeric", "pick_rounds", "rounds_table", "setting", "summary_markdown", "write_client_table"),
     "store": ("CONNECT_TIMEOUT_S", "DEFAULT_TRACKING_URI", "answers", "artifact_root", "check_tracking_store",
               "ensure_experiment", "resolve_tracking_uri", "server_address", "store_error", "tracking_server_problem",
               "unreachable"),

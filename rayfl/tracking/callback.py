@@ -56,14 +56,17 @@ def _partition_report(prepared, given: dict | None):
 class MlflowTracker(Callback):
     def __init__(self, tracking_uri: str, experiment_id: str | None = None, run_name: str | None = None,
                  parent_run_id: str | None = None, extra_params: dict | None = None, tags: dict | None = None,
-                 run_id: str | None = None, experiment: str | None = None, partition: dict | None = None):
+                 run_id: str | None = None, experiment: str | None = None, partition: dict | None = None,
+                 selection: str | None = None):
         """``experiment_id``, or ``experiment``: a name, the experiment opened (created if missing) by the
         writer; ``tags``: the submitting process's provenance (rayfl.provenance.origin) and the sweep's own;
         ``run_id``: an MLflow run to reopen and go on with (a driver restarted after its predecessor died, a run
         resumed from its checkpoint: its submitter says which); ``on_run`` (an attribute) is told the run's id
         once the run exists, before its first round;
         ``partition``: the submitter's :class:`rayfl.data.report.PartitionReport` as a dict (a Ray driver's
-        dataset has no labels to count; without it the report holds split sizes only)."""
+        dataset has no labels to count; without it the report holds split sizes only);
+        ``selection``: the metric a sweep selects its trials on, also logged as ``Selection/<metric>`` (first in
+        MLflow's lists: rayfl.tracking.tables.SELECTION_PREFIX)."""
         self.uri = tracking_uri
         self.tags = tags or {}
         self.experiment_id, self.experiment = experiment_id, experiment
@@ -88,6 +91,9 @@ class MlflowTracker(Callback):
         self._cpu_start = 0.0  # ... when the first round began
         self.algo = ""
         self.partition = partition
+        self.selection = selection
+        self.system_interval = 0.0  # system_metrics_interval: seconds between MLflow's system metrics; 0: off
+        self.system = None  # rayfl.tracking.system.SystemMetrics, once the run exists
         self.report = None  # the run's PartitionReport, made when it starts
         self.kept: dict[str, dict[int, np.ndarray]] = {}  # square round artifacts at a few rounds, for one figure
         self.warnings: list[str] = []  # the algorithm's caveats so far (Server.warnings): the tag rayfl.warnings
@@ -126,6 +132,12 @@ class MlflowTracker(Callback):
 
     def _log_items(self, items: list) -> None:
         self.sender.put(("metrics", items))
+
+    def _system_sample(self, metrics: dict[str, float], step: int) -> None:
+        """A sample of MLflow's system metrics (the sampling thread's), queued for the writer's next batch."""
+        writer = self.writer
+        if writer is not None:
+            writer.submit(lambda: self._log_metrics(metrics, step))
 
     def _log_tags(self, tags: dict[str, str]) -> None:
         self.sender.put(("tags", [(k, str(v)) for k, v in tags.items()]))
@@ -224,6 +236,7 @@ class MlflowTracker(Callback):
         self.open()
         self.algo = loop.cfg.algo
         self.wait = float(getattr(loop.cfg, "tracking_wait", self.wait))
+        self.system_interval = float(getattr(loop.cfg, "system_metrics_interval", self.system_interval))
         self.client_metrics = loop.cfg.clients <= loop.cfg.client_metrics
         if loop.checkpoint_dir:
             root = loop.checkpoint_dir
@@ -271,6 +284,11 @@ class MlflowTracker(Callback):
             self.outbox.write_run(run_id=self.run_id, tracking_uri=self.uri, experiment_id=self.experiment_id,
                                   status=None, end_time=None)
             self.sender = Sender(client, self.run_id, self.uri, self.outbox, on_start=yield_cpu)
+            if self.system_interval > 0:  # sampled on a thread of its own, logged by the writer with the rounds
+                from rayfl.tracking.system import SystemMetrics
+
+                self.system = SystemMetrics(self.run_id, self.uri, self.system_interval, self._system_sample)
+                self.system.start()
             if not reopen:
                 self.sender.put(("params", [(k, str("" if v is None else v)) for k, v in params.items()]))
                 self._log_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False), "config.yaml")
@@ -286,7 +304,8 @@ class MlflowTracker(Callback):
             if reuse:  # a stored stage (rayfl.stage_cache): its rounds, as if they had run here
                 now = int(time.time() * 1000)
                 self._log_items([Metric(k, v, now, h["step"] + 1) for h in reused
-                                 for k, v in _with_headline(numeric(h, finite_only=False)).items() if k != "step"])
+                                 for k, v in _with_headline(numeric(h, finite_only=False), self.selection).items()
+                                 if k != "step"])
                 self._log_tags({"rayfl.stage_reused": reuse[0], "rayfl.stage_key": reuse[1]})
             self._send_metrics()
             self.on_run(self.run_id)  # before the first round: whoever submitted the run learns its id
@@ -306,7 +325,7 @@ class MlflowTracker(Callback):
         step, per_client = record.step, record.per_client
         if step + 1 <= self._logged_upto:  # replayed after a driver restart: the run holds this round already
             return
-        metrics = {**_with_headline(numeric(record.metrics, finite_only=False)),
+        metrics = {**_with_headline(numeric(record.metrics, finite_only=False), self.selection),
                    "participants": float(len(record.participants))}
         if record.warnings:  # the algorithm's caveats stay with the run: a tag a runs table can show
             self.warnings += record.warnings
@@ -412,6 +431,9 @@ class MlflowTracker(Callback):
         from rayfl.tracking.outbox import server_address, sync
 
         error = None
+        if self.system is not None:  # its last sample (the interval under way) goes with the last batch
+            self.system.stop()
+            self.system = None
         try:
             if self.writer is not None:
                 try:

@@ -16,6 +16,7 @@ from rayfl.tracking.store import answers, server_address
 
 RUN_ID_FILE = "mlflow_run_id"  # in a run directory: the MLflow run its rounds are logged to
 BATCH_PARAMS = 100  # MLflow's limit of params in one log_batch call
+SYSTEM_STOP_S = 5.0  # the longest a parent run's end waits for its last system-metrics sample to be sent
 
 
 def record_run_id(run_dir: str | None, run_id: str | None) -> None:
@@ -84,6 +85,7 @@ class ParentRun:
         mlflow.set_tracking_uri(uri)  # figures logged through the client go to this store
         self.uri, self.run_id = uri, run_id
         self.client = _client(uri)
+        self.system = None  # rayfl.tracking.system.SystemMetrics while this process's are sampled
 
     @classmethod
     def create(cls, uri: str, experiment_id: str, name: str, tags: dict[str, str],
@@ -101,6 +103,34 @@ class ParentRun:
         run = cls(uri, run_id)
         run.client.update_run(run_id, status="RUNNING")
         return run
+
+    def sample_system(self, interval: float) -> None:
+        """MLflow's system metrics of this machine (the submitting process's: the sweep's or comparison's own
+        work) every ``interval`` seconds until the run ends (:meth:`end`, :meth:`stop_system`); 0: none."""
+        if interval > 0 and self.system is None:
+            from rayfl.tracking.system import SystemMetrics
+
+            self.system = SystemMetrics(self.run_id, self.uri, interval, self._log_system).start()
+
+    def _log_system(self, metrics: dict[str, float], step: int) -> None:
+        """A sample, sent at once (the sampling thread's), or dropped while the tracking server is away."""
+        import time
+
+        from mlflow.entities import Metric
+
+        if not answers(server_address(self.uri), timeout=1.0):
+            return
+        now = int(time.time() * 1000)
+        try:
+            self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in metrics.items()])
+        except Exception:  # noqa: BLE001 - a sample lost is no reason to stop the sweep or the comparison
+            pass
+
+    def stop_system(self) -> None:
+        """The last sample sent (waiting at most SYSTEM_STOP_S for the store) and the sampling ended."""
+        if self.system is not None:
+            self.system.stop(SYSTEM_STOP_S)
+            self.system = None
 
     def log_params(self, params: dict) -> None:
         from mlflow.entities import Param
@@ -143,6 +173,7 @@ class ParentRun:
         self.client.set_terminated(run_id, "KILLED")
 
     def end(self, status: str) -> None:
+        self.stop_system()
         self.client.set_terminated(self.run_id, status)
 
 

@@ -34,12 +34,23 @@ def headline(metrics: dict[str, float]) -> dict[str, float]:
             if f"test_{kind}_{stat}" in metrics}
 
 
-def _with_headline(metrics: dict[str, float]) -> dict[str, float]:
-    """The headline first, then test and validation summaries, then the rest: the run's Overview lists its
-    metrics in the order they were first logged."""
+# A sweep's trial also logs the metric its sweep selects on under "Selection/<metric>". MLflow 3.17 orders metric
+# keys by their UTF-16 code units wherever it lists them (the compare page's metrics table, Utils.getKeys; the
+# runs table's metric columns; the chart sections and their charts, getBaseChartAndSectionConfigs), and an
+# upper-case letter sorts before every lower-case one: this section comes before "accuracy", as MLflow's own
+# "Model metrics" and "System metrics" sections are capitalized too. Its Overview lists the metrics in the order
+# they were first logged: it is logged first.
+SELECTION_PREFIX = "Selection/"
+
+
+def _with_headline(metrics: dict[str, float], selection: str | None = None) -> dict[str, float]:
+    """The selection metric of a sweep's trial (``selection``, when the round has it) first, then the headline,
+    then test and validation summaries, then the rest: the run's Overview lists its metrics in the order they
+    were first logged."""
+    chosen = {SELECTION_PREFIX + selection: metrics[selection]} if selection in metrics else {}
     first = {k: v for k, v in metrics.items() if k.startswith(("test_", "val_"))}
-    return {**headline(metrics), **dict(sorted(first.items(), key=lambda kv: not kv[0].startswith("test_"))),
-            **metrics}
+    return {**chosen, **headline(metrics),
+            **dict(sorted(first.items(), key=lambda kv: not kv[0].startswith("test_"))), **metrics}
 
 
 def pick_rounds(total: int, k: int = 5) -> list[int]:
@@ -104,23 +115,46 @@ def setting(cfg, final: dict | None = None) -> str:
     return describe(cfg) + privacy.describe(cfg, final)
 
 
+def shown_value(key: str, value: float) -> str:
+    """A metric as the descriptions write it: an accuracy (``..._acc_...``) as a percentage, anything else (a
+    loss) to four decimals."""
+    return f"{value:.2%}" if "_acc" in key else f"{value:.4f}"
+
+
+def test_parts(final: dict, stats: tuple[str, ...] = ("mean", "worst", "bottom10_mean"), bold: bool = True) -> list[str]:
+    """The final round's test accuracy (loss for regression) as the descriptions' first lines say it:
+    ``**test accuracy 91.23%**``, ``worst client 50.00%``, ``bottom 10% 62.50%`` (those of ``stats`` it holds)."""
+    kind = "acc" if "test_acc_mean" in final else "loss"
+    names = {"mean": f"test {'accuracy' if kind == 'acc' else 'loss'}", "worst": "worst client",
+             "bottom10_mean": "bottom 10%"}
+    parts = []
+    for stat in stats:
+        key = f"test_{kind}_{stat}"
+        if final.get(key) is not None:
+            text = f"{names[stat]} {shown_value(key, final[key])}"
+            parts.append(f"**{text}**" if bold and stat == "mean" else text)
+        elif stat == "mean":
+            parts.append("**no test evaluation**" if bold else "no test evaluation")
+    return parts
+
+
 def first_line(cfg, final: dict, report=None) -> str:
     """The description's opening line, all that MLflow's folded Overview is sure to show: the final round's test
     mean, worst client and bottom 10%, the algorithm and data, the ε a private run reached, and the partition's
     caveat when it has one."""
-    kind = "acc" if "test_acc_mean" in final else "loss"
-    shown = (lambda v: f"{v:.2%}") if kind == "acc" else (lambda v: f"{v:.4f}")
-    values = {s: final.get(f"test_{kind}_{s}") for s in ("mean", "worst", "bottom10_mean")}
-    parts = [f"**test {'accuracy' if kind == 'acc' else 'loss'} {shown(values['mean'])}**"
-             if values["mean"] is not None else "**no test evaluation**"]
-    parts += [f"{name} {shown(values[s])}" for s, name in (("worst", "worst client"), ("bottom10_mean", "bottom 10%"))
-              if values[s] is not None]
-    line = " · ".join(parts) + f" — {cfg.algo} on {cfg.dataset} ({cfg.partition}), {cfg.clients} clients"
+    line = " · ".join(test_parts(final)) + f" — {cfg.algo} on {cfg.dataset} ({cfg.partition}), {cfg.clients} clients"
     eps = privacy.final_epsilon(cfg, final)
     if eps is not None:
         line += f", DP ε {eps:.3g}"
     warning = report.warning() if report is not None else None
     return line + (f". **Caveat:** {warning}" if warning else "")
+
+
+def best_trial_line(metric: str, final: dict) -> str:
+    """A sweep parent's opening line: the best trial's selection metric, named (the sweep chose on it, not on
+    test), then that trial's test mean and worst client, as :func:`first_line` writes them."""
+    return " · ".join([f"**best {metric} {shown_value(metric, final[metric])}**",
+                       *test_parts(final, ("mean", "worst"), bold=False)])
 
 
 def summary_markdown(cfg, final: dict, total: int, report=None, setting: str = "") -> str:
@@ -135,7 +169,7 @@ def summary_markdown(cfg, final: dict, total: int, report=None, setting: str = "
         for kind, what in (("acc", "accuracy"), ("loss", "loss")):
             if f"{split}_{kind}_mean" in final and (kind == "acc" or "test_acc_mean" not in final):
                 values = [final.get(f"{split}_{kind}_{s}", float("nan")) for s in ("mean", "worst", "bottom10_mean")]
-                shown = [f"{v:.2%}" if kind == "acc" else f"{v:.4f}" for v in values]
+                shown = [shown_value(f"{split}_{kind}", v) for v in values]
                 shown = [f"**{v}**" for v in shown] if split == "test" else shown
                 lines.append(f"| {name} {what} | " + " | ".join(shown) + " |")
     lines += ["", setting or cfg.algo]

@@ -232,7 +232,10 @@ def test_two_algorithms_two_seeds(mlflow_uri, tmp_path):
     assert table["test_acc_mean"].tolist() == pytest.approx(res.table["test_acc_mean"].tolist())
     # one chart of the rows over rounds: each round's mean over seeds (its last, the table's), and its spread;
     # no table cell is a metric of its own
-    assert not [k for k in parent.data.metrics if not k.startswith("compare/")]
+    assert not [k for k in parent.data.metrics if not k.startswith(("compare/", "system/"))]
+    # and MLflow's system metrics of the machine that ran the comparison, as its runs have theirs
+    assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= set(parent.data.metrics)
+    assert all("system/cpu_utilization_percentage" in c.data.metrics for c in children)
     curve = client.get_metric_history(res.run_id, "compare/test_acc_mean/fedavg")
     assert [m.step for m in curve] == list(range(1, TINY["rounds"] + 1))
     assert curve[-1].value == pytest.approx(res.table.loc[1, "test_acc_mean"])

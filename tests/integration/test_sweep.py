@@ -190,7 +190,7 @@ def test_grid_sweep_2x2_four_children_one_parent(ray_session, tmp_path, capsys):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     path = write(tmp_path, "grid:\n  lr: [0.05, 0.2]\n  local_epochs: [1, 2]\n")
     code = main(["tune", "--algo", "fedavg", "--space", path, *TINY, "--tracking-uri", uri, "--max-concurrent", "2",
-                 "--storage-path", str(tmp_path / "tune"), "--name", "t2x2", "--quiet"])
+                 "--storage-path", str(tmp_path / "tune"), "--name", "t2x2", "--quiet", "--ui-port", "5055"])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "best (val_acc_mean" in out and "sweep results" in out
@@ -220,14 +220,16 @@ def test_grid_sweep_2x2_four_children_one_parent(ray_session, tmp_path, capsys):
         "min 10 / median 10 / max 10 (of 10)"], out
     caveat = [line for line in out.splitlines() if line.startswith("rayfl tune: warning: ")]
     assert len(caveat) == 1 and "have fewer than 10 validation or test samples" in caveat[0]
-    assert f"rayfl tune: watch it in MLflow: http://127.0.0.1:5000/#/experiments/" in out and parent in out
+    # the addresses printed point at the UI's port given (--ui-port), and say how to start it there
+    assert f"rayfl tune: watch it in MLflow: http://127.0.0.1:5055/#/experiments/" in out and parent in out
+    assert f"look at it: mlflow ui --backend-store-uri {uri} --port 5055" in out
     assert {(float(a), int(b)) for a, b in zip(kids["params.lr"], kids["params.local_epochs"])} == \
         {(0.05, 1), (0.05, 2), (0.2, 1), (0.2, 2)}
     assert set(kids["tags.rayfl.role"]) == {"trial"} and parents["tags.rayfl.role"][0] == "sweep"
     assert {n.split(" · ")[0] for n in kids["tags.mlflow.runName"]} == \
         {"lr=0.05,local_epochs=1", "lr=0.05,local_epochs=2", "lr=0.2,local_epochs=1", "lr=0.2,local_epochs=2"}
     client = mlflow.MlflowClient(uri)
-    assert out.rstrip().splitlines()[-2] == (f"  this sweep: http://127.0.0.1:5000/#/experiments/{kids.experiment_id[0]}"
+    assert out.rstrip().splitlines()[-2] == (f"  this sweep: http://127.0.0.1:5055/#/experiments/{kids.experiment_id[0]}"
                                              f"/runs/{parent}?workflowType=machine_learning")
     # the parent: provenance tags as a run has them, and the best trial's knobs and metric as its description
     tags = client.get_run(parent).data.tags
@@ -235,12 +237,25 @@ def test_grid_sweep_2x2_four_children_one_parent(ray_session, tmp_path, capsys):
     assert tags["rayfl.algo"] == "fedavg" and set(kids["tags.rayfl.command"]) == {tags["rayfl.command"]}
     best = table.sort_values("val_acc_mean", ascending=False).iloc[0]
     note = tags["mlflow.note.content"]
-    assert note.startswith(f"**Best trial: lr={best.lr:g}, local_epochs={best.local_epochs}**, val_acc_mean "
-                           f"{best.val_acc_mean:.4f} (final round), its run [lr=")
+    # its first line: the selection metric, named, and the best trial's test mean and worst client
+    head = note.splitlines()[0]
+    assert head.startswith(f"**best val_acc_mean {best.val_acc_mean:.2%}** · test accuracy {best.test_acc_mean:.2%}"
+                           f" · worst client ") and len(head) <= 100, head
+    assert note.splitlines()[2].startswith(f"Best trial: lr={best.lr:g}, local_epochs={best.local_epochs}, val_acc_mean "
+                                           f"{best.val_acc_mean:.4f} (final round), its run [lr=")
     assert "fedavg, 4 trial(s): lr in {0.05, 0.2} x local_epochs in {1, 2} (grid); fedavg on synthetic (iid)" in note
     assert note.count("| DONE |") == 4
     for run_id in kids.run_id:
         assert len(client.get_metric_history(run_id, "val_acc_mean")) == 2  # one per round
+        # the selection metric again under the name MLflow lists first (the compare page, the chart view)
+        selection = client.get_metric_history(run_id, "Selection/val_acc_mean")
+        assert [(m.step, m.value) for m in selection] == \
+            [(m.step, m.value) for m in client.get_metric_history(run_id, "val_acc_mean")]
+    assert set(kids["tags.rayfl.selection_metric"]) == {"val_acc_mean"}
+    # MLflow's system metrics: each trial's (its process) and the sweep's own (the parent, this process)
+    for run_id in [*kids.run_id, parent]:
+        assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= \
+            set(client.get_run(run_id).data.metrics), run_id
     arts = {a.path for a in client.list_artifacts(parent, "results")} | {a.path for a in client.list_artifacts(parent, "plots")}
     assert "results/results.csv" in arts
     assert {"plots/val_acc_mean_vs_lr.png", "plots/val_acc_mean_vs_local_epochs.png",

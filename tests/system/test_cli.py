@@ -92,7 +92,8 @@ def test_run_end_to_end(tmp_path):
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.Popen([*RAYFL, "run", "--dataset", "synthetic", "--partition", "iid", "--clients", "2",
                              "--rounds", "2", "--samples-per-client", "60", "--tracking-uri", uri,
-                             "--out-dir", str(tmp_path / "runs"), "--run-name", "e2e", "--checkpoint-every", "1"],
+                             "--out-dir", str(tmp_path / "runs"), "--run-name", "e2e", "--checkpoint-every", "1",
+                             "--ui-port", "5055"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=env)
     listening = set()
     while proc.poll() is None:
@@ -122,6 +123,11 @@ def test_run_end_to_end(tmp_path):
     assert watch < next(i for i, line in enumerate(lines) if line.startswith("round   1/2"))
     assert lines[watch].endswith(f"/#/experiments/{runs['experiment_id'][0]}/runs/{runs['run_id'][0]}"
                                  "?workflowType=machine_learning")
+    # --ui-port: every address printed points at the UI's port given, and the hint starts the UI there
+    page = f"http://127.0.0.1:5055/#/experiments/{runs['experiment_id'][0]}/runs/{runs['run_id'][0]}"
+    assert lines[watch] == f"rayfl: watch it in MLflow: {page}?workflowType=machine_learning"
+    assert f"  this run: {page}?workflowType=machine_learning" in lines
+    assert f"look at it: mlflow ui --backend-store-uri {uri} --port 5055" in lines
 
     # --resume from another working directory, with another MLFLOW_TRACKING_URI in the environment: the run
     # goes on in the store it was started with, not in a new ./mlflow.db.
@@ -133,6 +139,7 @@ def test_run_end_to_end(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert list(elsewhere.iterdir()) == []
     assert f"at {uri}" in out.stdout
+    assert f"  this run: {page.replace(':5055/', ':5000/')}?workflowType=machine_learning" in out.stdout.splitlines()
     runs = mlflow.search_runs(experiment_names=["rayfl"])
     assert list(runs["tags.mlflow.runName"]) == ["e2e"] and list(runs["status"]) == ["FINISHED"]
 
