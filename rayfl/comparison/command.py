@@ -49,7 +49,8 @@ def cmd_compare(args) -> int:
     lines: list[str] = []  # the closing MLflow lines come after the table
     spec = CompareSpec(algos=algos, seeds=seeds, preset=args.preset, max_concurrent=args.max_concurrent,
                        runtime=args.runtime, name=args.name, params=params, config=config, address=args.address,
-                       ui_port=args.ui_port, progress=lambda line: (lines.append(line) if line.startswith("look at it") or
+                       ui_port=args.ui_port,
+                       progress=lambda line: (lines.append(line) if line.startswith("look at it") or
                                               line.startswith("  then") else print(line, flush=True)))
     show = None if args.quiet else (lambda label, rec: print(f"{label:>14s}  {format_round(rec)}", flush=True))
     result = compare_spec(spec, on_round=show)
