@@ -125,3 +125,20 @@ def test_another_shape_gets_new_actors_and_the_kept_ones_end(ray_session, tmp_pa
     while any(alive(p) for p in kept) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(alive(p) for p in kept)  # close() ends them
+
+
+def test_a_ray_the_user_started_stays_up_and_keeps_no_actors(ray_session, tmp_path):
+    import rayfl
+    from rayfl.session import _Kept
+
+    pids = []
+    rayfl.run(**{**CONFIGS["fedavg"], "dataset": "synthetic", "partition": "iid", "clients": 3, "rounds": 1,
+                 "samples_per_client": 60}, tracking_uri=f"sqlite:///{tmp_path}/m.db", out_dir=str(tmp_path / "runs"),
+              progress=lambda e: pids.extend(a["pid"] for a in e["placement"]) if e["event"] == "start" else None)
+    assert ray.is_initialized() and _Kept.pool is None and _Kept.job is None
+    deadline = time.monotonic() + 30
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert pids and not any(alive(p) for p in pids)  # the run's actors ended with it
+    rayfl.shutdown()
+    assert ray.is_initialized()  # not rayfl's to end
