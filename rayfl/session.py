@@ -453,11 +453,15 @@ class Session:
     # --- Ray ---------------------------------------------------------------------------------------------
     def start_ray(self) -> None:
         """Connected (started here unless this process already is). Actors kept from an earlier run are
-        killed unless this session may use them (:attr:`pool`)."""
+        killed unless this session may use them (:attr:`pool`); the kept instance is shut down when a cluster is
+        asked for."""
         if kept_ray():
-            self.kept = True
-            if not self.keep:
-                release_actors()
+            if self.on_cluster:  # the local instance kept from an earlier call is not the cluster asked for
+                shutdown()
+            else:
+                self.kept = True
+                if not self.keep:
+                    release_actors()
         self.started = start_ray(self.address, self.emit) or self.started
 
     @property
