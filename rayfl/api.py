@@ -192,7 +192,9 @@ def run(config: str | dict | Config | None = None, *, resume: str | None = None,
     ``resume=DIR`` goes on from the last checkpoint of a run directory (its own config.yaml is used, but for
     a lower step size given with it: ``lr=``, ``params={"personal_lr": ...}``);
     ``progress``: True prints lines as ``rayfl run`` does, False nothing, or a callable gets each event
-    (see :mod:`rayfl.progress`); ``plugins``: .py files or module names to load first, as ``--plugin``."""
+    (see :mod:`rayfl.progress`); ``plugins``: .py files or module names to load first, as ``--plugin``.
+    A private local Ray instance it starts stays up for the next call, with the run's actors, which a next run
+    of the same placement reuses (:func:`shutdown` ends them)."""
     from rayfl.plugins import as_sources, load_plugins
     from rayfl.provenance import api_call
 
