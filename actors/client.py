@@ -46,6 +46,10 @@ class ClientActor:
         self._host = None
         self._adopted: dict[int, object] = {}  # host index -> the ClientHost of clients taken over
 
+    def idle(self) -> None:
+        """Kept for a next run (:mod:`rayfl.actors.pool`): the finished run's clients, data and models let go."""
+        self._hold(None, None, None, None, None)
+
     def setup(self, key: str, sealed, x, y, initial) -> str:
         """Serve the run ``key`` (arguments as the constructor's) from now on, its clients built by the next call;
         nothing changes when this actor already serves it. Its token."""

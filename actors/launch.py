@@ -123,6 +123,8 @@ def launch(prepared, tracking: dict | None, checkpoint_dir: str | None = None,
             if pool is not None and result is not None and not result.get("client_restarts"):
                 from rayfl.actors.pool import KeptClients
 
+                for actor in actors:  # (before any later call of this process's: the next run's setup)
+                    actor.idle.remote()
                 nodes = [p.get("node_id") for p in seen.get("placement") or []]
                 pool.keep(driver, KeptClients(shape, actors, creation, nodes if len(nodes) == len(actors) else []),
                           seen.get("driver_node"))
