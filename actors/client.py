@@ -9,9 +9,15 @@ An actor can also take over the clients of another actor lost with its node (:me
 stay a host of their own (the runtime's host index ``host`` in every call), so that the run's partial sums are
 grouped as before and its results do not change.
 
-Every answer carries the actor's ``token``, drawn anew in each process Ray starts for it: a call that
-reached a restarted actor (its clients back at their initial state) is told apart from one that reached
-the actor the runtime last loaded, even when no call failed in between.
+Every answer carries the actor's ``token``, drawn anew in each process Ray starts for it (and at each
+:meth:`ClientActor.setup`): a call that reached a restarted actor (its clients back at their initial state) is
+told apart from one that reached the actor the runtime last loaded, even when no call failed in between.
+
+A run's actors may serve the next run of the same shape in the same process (:mod:`rayfl.actors.pool`):
+:meth:`ClientActor.setup` gives them the new run's arguments, and they build its clients anew, exactly as a
+fresh process would. Each run has its own ``key``; a reused actor that Ray restarts comes back with the
+arguments it was created with (another run's key), and the runtime sets it up again (:meth:`ClientActor.setup`
+is a no-op for the run it already holds).
 """
 
 from __future__ import annotations
@@ -23,16 +29,33 @@ import ray
 
 @ray.remote
 class ClientActor:
-    def __init__(self, sealed, x, y, initial):
+    def __init__(self, sealed, x, y, initial, key: str | None = None):
         # sealed (rayfl.plugins.Sealed): (spec, client_data, plugins), pickled apart so that a plugin's module this
         # node lacks is one line from the first call, not an actor that dies while Ray reads its arguments and is
         # restarted to die again. spec: the run's HostSpec less its arrays, which come as x, y, initial (object-
         # store references, resolved by Ray). plugins: the run's registrations from outside the package
-        # (rayfl.plugins.Plugins), registered in this process as they are read
+        # (rayfl.plugins.Plugins), registered in this process as they are read. key: the run these are of
+        self._hold(key, sealed, x, y, initial)
+
+    def _hold(self, key, sealed, x, y, initial) -> None:
+        """A run's arguments kept, its clients not built yet (the first call builds them): no state of an
+        earlier run survives, but for the process itself (imports, torch's lazy first-use work)."""
         self.token = uuid.uuid4().hex
+        self.key = key
         self._args = (sealed, x, y, initial)
         self._host = None
         self._adopted: dict[int, object] = {}  # host index -> the ClientHost of clients taken over
+
+    def idle(self) -> None:
+        """Kept for a next run (:mod:`rayfl.actors.pool`): the finished run's clients, data and models let go."""
+        self._hold(None, None, None, None, None)
+
+    def setup(self, key: str, sealed, x, y, initial) -> str:
+        """Serve the run ``key`` (arguments as the constructor's) from now on, its clients built by the next call;
+        nothing changes when this actor already serves it. Its token."""
+        if key != self.key:
+            self._hold(key, sealed, x, y, initial)
+        return self.token
 
     def _built(self, host: int | None = None):
         """The clients' host, built on the first call; ``host``: one adopted under that index."""

@@ -104,8 +104,16 @@ class DriverActor:
         self.tracker = None
         self._run_told = threading.Event()  # a poll has returned the run id
 
-    def run(self, actors: list) -> dict:
-        """The whole run over the client actors ``actors`` (started by the submitter right after this driver)."""
+    def setup(self, prepared, resources, tracking: dict, checkpoint_dir: str | None, resume: dict | None = None,
+              wait_for_room: bool = True) -> None:
+        """Serve another run (arguments as the constructor's), nothing of the last one kept: a driver kept
+        between runs (:mod:`rayfl.actors.pool`) has its process's imports and MLflow's already loaded."""
+        self.__init__(prepared, resources, tracking, checkpoint_dir, resume, wait_for_room)
+
+    def run(self, actors: list, setups: list | None = None, keep: bool = False) -> dict:
+        """The whole run over the client actors ``actors`` (started by the submitter right after this driver;
+        ``setups``: those actors' arguments when they were kept from an earlier run, for
+        :class:`~rayfl.actors.runtime.RayRuntime`); ``keep``: they outlive the run (the submitter ends them)."""
         from rayfl import checkpoint
         from rayfl.actors.runtime import RayRuntime
         from rayfl.inprocess import execute
@@ -120,7 +128,8 @@ class DriverActor:
         if tracker:
             tracker.on_run = self._told_run
             tracker.open()  # MLflow opens in the background, while the client actors start
-        runtime = RayRuntime(self.prepared, actors, self.resources, self.wait_for_room)
+        runtime = RayRuntime(self.prepared, actors, self.resources, self.wait_for_room, setups)
+        runtime.keep_actors = keep
         runtime.notify = self.queue.push
         try:
             wait_for_actors(runtime.actors, self.queue.push, self.prepared.cfg.capacity_wait)

@@ -19,7 +19,7 @@ import ray
 
 from rayfl.actors.driver import DriverActor
 from rayfl.actors.resources import DRIVER_CPUS, live_nodes, n_actors_for, plan_actor_resources, preflight
-from rayfl.actors.runtime import dead_nodes, start_client_actors
+from rayfl.actors.runtime import client_blocks, dead_nodes, start_client_actors
 from rayfl.config import UserError
 from rayfl.divergence import Diverged
 from rayfl.plugins import Sealed
@@ -40,7 +40,7 @@ def launch(prepared, tracking: dict | None, checkpoint_dir: str | None = None,
            on_round: Callable[[dict], None] | None = None, resources=None, driver_options: dict | None = None,
            actor_options: list[dict] | None = None, poll_seconds: float = 0.25,
            stop_grace_seconds: float = 30.0, cluster_may_grow: bool = False,
-           on_event: Callable[[dict], None] | None = None) -> dict:
+           on_event: Callable[[dict], None] | None = None, pool=None) -> dict:
     """Run ``prepared`` on the connected Ray cluster; ``on_round`` sees each round's record once, ``on_event``
     the driver's status items (``{"event": "actors", "ready": k, "total": n}``, ...). ``tracking``
     names the MLflow run to log to (None: no MLflow at all, for benchmarks that measure its cost).
@@ -48,15 +48,23 @@ def launch(prepared, tracking: dict | None, checkpoint_dir: str | None = None,
     A request larger than the nodes' free room is a user error, unless the connected cluster may grow (an
     autoscaler that can add nodes) or the user set capacity_wait: then it only warns, and the actors wait for
     nodes. Likewise client actors lost with a node: waited for then, else their clients move to the surviving
-    actors (actors.runtime)."""
+    actors (actors.runtime).
+
+    ``pool`` (:class:`rayfl.actors.pool.ActorPool`): actors kept from the last run, used when the placement
+    has their shape, and where this run's actors stay when it ends cleanly (None: actors are killed at the end)."""
     from rayfl import checkpoint
 
     cfg = prepared.cfg
     if checkpoint_dir:
         checkpoint.read(checkpoint_dir, cfg)  # a checkpoint of another config or version: refused here
     wait_for_room = _waits_for_room(cfg, cluster_may_grow)
+    if actor_options or driver_options:  # a Tune trial's placement: its own actors
+        pool = None
+    if pool is not None:
+        pool.prune()  # a kept actor that died meanwhile holds nothing: it must not count as free room
     if resources is None:
-        nodes = _settled_nodes()  # each node's free resources: an actor lives on one node
+        # each node's free resources (an actor lives on one node), counting what kept actors hold as free
+        nodes = _settled_nodes(held=pool.held() if pool is not None else None)
         try:
             n_actors, resources = preflight(cfg, nodes)
         except UserError as e:
@@ -75,19 +83,27 @@ def launch(prepared, tracking: dict | None, checkpoint_dir: str | None = None,
     tracking = resumed_tracking(tracking, checkpoint_dir)  # a checkpoint to go on from: its MLflow run too
     seen = {"run_id": (tracking or {}).get("run_id"), "step": -1, "tracking": tracking,
             "record": lambda run_id: record_run_id(checkpoint_dir, run_id)}  # for --resume
+    shape = (n_actors, resources, cfg.max_restarts)
+    old_clients = pool.take_clients(shape) if pool is not None else None  # another shape: killed
+    old_driver = pool.take_driver() if pool is not None else None
     for attempt in range(cfg.max_restarts + 1):
         resume = {"run_id": seen["run_id"]} if attempt else None
         # the driver and the client actors start side by side (each is a process that imports torch); the
         # driver first: its MLflow work is the longest path to the first round
-        driver = DriverActor.options(num_cpus=DRIVER_CPUS, **(driver_options or {})).remote(
-            Sealed(light), resources, tracking, checkpoint_dir, resume, wait_for_room)
+        args = (Sealed(light), resources, tracking, checkpoint_dir, resume, wait_for_room)
+        driver = _set_up(old_driver, "setup", args)
+        if driver is None:
+            driver = DriverActor.options(num_cpus=DRIVER_CPUS, **(driver_options or {})).remote(*args)
         with _ray_warnings_to_log():
-            actors, kept = start_client_actors(light, x_ref, y_ref, resources, n_actors, actor_options)
+            actors, kept, setups, creation = _client_actors(light, x_ref, y_ref, resources, n_actors, actor_options,
+                                                            old_clients)
+        old_driver = old_clients = None  # (a driver started again gets new actors)
         if on_event:
             on_event({"event": "actors", "ready": 0, "total": n_actors, "time": time.time()})
+        result = None
         try:
             result = _follow(driver, actors, seen, on_round, on_event, poll_seconds, stop_grace_seconds,
-                             cfg.capacity_wait + DRIVER_START_SECONDS)
+                             cfg.capacity_wait + DRIVER_START_SECONDS, setups, pool is not None)
         except ray.exceptions.RayActorError as e:
             if isinstance(e, ray.exceptions.RayTaskError):  # the run failed inside a live driver
                 raise
@@ -104,8 +120,17 @@ def launch(prepared, tracking: dict | None, checkpoint_dir: str | None = None,
                 raise e.cause from None
             raise
         finally:
-            for actor in [driver, *actors]:
-                ray.kill(actor)
+            if pool is not None and result is not None and not result.get("client_restarts"):
+                from rayfl.actors.pool import KeptClients
+
+                for actor in actors:  # (before any later call of this process's: the next run's setup)
+                    actor.idle.remote()
+                nodes = [p.get("node_id") for p in seen.get("placement") or []]
+                pool.keep(driver, KeptClients(shape, actors, creation, nodes if len(nodes) == len(actors) else []),
+                          seen.get("driver_node"))
+            else:
+                for actor in [driver, *actors]:
+                    ray.kill(actor)
             del kept  # held until here: a client actor that Ray re-creates is built from them again
         if attempt and tracking and result["run_id"]:
             from rayfl.tracking import tag_driver_restarts
@@ -129,19 +154,63 @@ def _waits_for_room(cfg, cluster_may_grow: bool) -> bool:
     return cfg.capacity_wait != Config.capacity_wait or (cluster_may_grow and can_grow())
 
 
-def _settled_nodes(settle: float = SETTLE_SECONDS, steady: float = 1.5) -> list[dict]:
+def _client_actors(light, x_ref, y_ref, resources, n_actors: int, actor_options, old) -> tuple:
+    """The run's client actors: ``old`` ones (kept from the last run, of this shape) set up for this run, else
+    new ones. Returns the handles, the refs to hold while they may restart, each actor's setup arguments (None
+    for new actors: their constructor's are this run's) and the refs they were created from."""
+    import uuid
+
+    key = uuid.uuid4().hex
+    if old is not None:
+        initial_ref = ray.put(light.initial)
+        setups = [(key, sealed, x_ref, y_ref, initial_ref) for sealed in client_blocks(light, n_actors)]
+        try:
+            ray.get([a.setup.remote(*setup) for a, setup in zip(old.actors, setups)])
+            return old.actors, [*old.creation, x_ref, y_ref, initial_ref], setups, old.creation
+        except ray.exceptions.RayError:  # one died while kept: new ones, all of them
+            for actor in old.actors:
+                ray.kill(actor)
+    actors, kept = start_client_actors(light, x_ref, y_ref, resources, n_actors, actor_options, key)
+    return actors, kept, None, kept
+
+
+def _set_up(actor, method: str, args: tuple):
+    """A kept actor given a new run (its ``method``), or None when there is none or it died meanwhile."""
+    if actor is None:
+        return None
+    try:
+        ray.get(getattr(actor, method).remote(*args))
+        return actor
+    except ray.exceptions.RayError:
+        ray.kill(actor)
+        return None
+
+
+def _settled_nodes(settle: float = SETTLE_SECONDS, steady: float = 1.5, held: dict | None = None) -> list[dict]:
     """Each live node's free resources once they settle: the actors of a run that just ended give their CPUs
     back a moment after they are killed, so a node short of its total is read again until it is whole, or
-    unchanged for ``steady`` seconds (someone else's work), or ``settle`` seconds have passed."""
+    unchanged for ``steady`` seconds (someone else's work), or ``settle`` seconds have passed. ``held``: what
+    kept actors hold, by node (:meth:`rayfl.actors.pool.ActorPool.held`), counted as free."""
     total = live_nodes(free=False)
     t0 = time.monotonic()
-    nodes, since = live_nodes(), time.monotonic()
+    nodes, since = _with_held(live_nodes(), held), time.monotonic()
     while nodes != total and time.monotonic() - t0 < settle and time.monotonic() - since < steady:
         time.sleep(0.25)
-        now = live_nodes()
+        now = _with_held(live_nodes(), held)
         if now != nodes:
             nodes, since = now, time.monotonic()
     return nodes
+
+
+def _with_held(nodes: list[dict], held: dict | None) -> list[dict]:
+    """``nodes`` with ``held`` resources added back (those of an unknown node to the only node, if one)."""
+    if not held:
+        return nodes
+    out = []
+    for n in nodes:
+        extra = [held.get(n["node_id"], {})] + ([held.get("", {})] if len(nodes) == 1 else [])
+        out.append({**n, **{k: round(n[k] + sum(e.get(k, 0.0) for e in extra), 6) for k in ("CPU", "GPU")}})
+    return out
 
 
 @contextmanager
@@ -155,10 +224,11 @@ def _ray_warnings_to_log():
 
 
 def _follow(driver, actors: list, seen: dict, on_round, on_event, poll_seconds: float,
-            stop_grace_seconds: float, silence_seconds: float) -> dict:
+            stop_grace_seconds: float, silence_seconds: float, setups: list | None = None,
+            keep: bool = False) -> dict:
     """Run the driver over ``actors`` to its end, passing on each round not shown before; its result.
     A driver that does not answer a poll for ``silence_seconds`` (no room for it to start) ends the run."""
-    done = driver.run.remote(actors)
+    done = driver.run.remote(actors, setups, keep)
     try:
         while True:
             ready, _ = ray.wait([done], timeout=poll_seconds)
@@ -187,6 +257,8 @@ def _follow(driver, actors: list, seen: dict, on_round, on_event, poll_seconds: 
                     print(f"rayfl: {rec['what']}; waiting up to {rec['seconds']:g}s for room (capacity_wait)",
                           file=sys.stderr, flush=True)
                 elif "event" in rec:
+                    if rec["event"] == "start":  # where each client actor is (what a kept actor holds where)
+                        seen["placement"] = rec.get("placement")
                     if on_event:
                         on_event(rec)
                 elif rec["step"] > seen["step"]:

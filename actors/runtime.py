@@ -34,29 +34,40 @@ from rayfl.runtime import ClientsLost, Pending, SaveChain, assign_hosts, gather,
 
 
 def start_client_actors(prepared, x_ref, y_ref, resources: ActorResources, n_actors: int,
-                        actor_options: list[dict] | None = None) -> tuple[list, list]:
+                        actor_options: list[dict] | None = None, key: str | None = None) -> tuple[list, list]:
     """Ask Ray for the client actors of a run, the clients spread evenly (:func:`assign_hosts`); returns at
     once with the handles and the refs of their shared constructor arguments, which the caller keeps for as
     long as the actors may restart (Ray re-creates a dead actor from them, but does not keep them itself).
     Each actor's own clients go by value: Ray keeps those with the actor, for its restarts.
-    ``actor_options[i]``: extra ``.options`` for actor i (a Tune trial's placement-group bundle)."""
-    cfg, fed = prepared.cfg, prepared.federation
+    ``actor_options[i]``: extra ``.options`` for actor i (a Tune trial's placement-group bundle); ``key``: the
+    run's (:meth:`ClientActor.setup`)."""
+    cfg = prepared.cfg
     initial_ref = ray.put(prepared.initial)
-    blocks = [{c: fed.clients[c] for c in block} for block in assign_hosts(cfg.clients, n_actors)]
-    spec = prepared.host_spec().without_arrays()
     actors = [ClientActor.options(**resources.options(), max_restarts=cfg.max_restarts,
                                   **(actor_options[h] if actor_options else {})).remote(
-                  Sealed((spec, block, prepared.plugins)), x_ref, y_ref, initial_ref)
-              for h, block in enumerate(blocks)]
+                  sealed, x_ref, y_ref, initial_ref, key)
+              for h, sealed in enumerate(client_blocks(prepared, n_actors))]
     return actors, [x_ref, y_ref, initial_ref]
+
+
+def client_blocks(prepared, n_actors: int) -> list[Sealed]:
+    """Each actor's share of a run: the run's HostSpec less its arrays, its clients' data, the plugins."""
+    fed = prepared.federation
+    spec = prepared.host_spec().without_arrays()
+    return [Sealed((spec, {c: fed.clients[c] for c in block}, prepared.plugins))
+            for block in assign_hosts(prepared.cfg.clients, n_actors)]
 
 
 class RayRuntime:
     pipelined = True  # the clients run the next round's first call while the driver reports a round
 
-    def __init__(self, prepared, actors: list, resources: ActorResources, wait_for_room: bool = True):
+    def __init__(self, prepared, actors: list, resources: ActorResources, wait_for_room: bool = True,
+                 setups: list | None = None):
         """Over client actors from :func:`start_client_actors` (for the same ``prepared``); ``wait_for_room``:
-        whether a lost actor with no room is waited for (capacity_wait) rather than its clients re-hosted."""
+        whether a lost actor with no room is waited for (capacity_wait) rather than its clients re-hosted;
+        ``setups``: for actors kept from an earlier run (:mod:`rayfl.actors.pool`), each one's
+        :meth:`ClientActor.setup` arguments, given again to one that Ray restarts (it comes back with the
+        arguments of the run it was created for)."""
         blocks = assign_hosts(prepared.cfg.clients, len(actors))
         self.host_of = {c: h for h, block in enumerate(blocks) for c in block}
         self.client_data = prepared.federation.clients  # to build a lost host's clients again elsewhere
@@ -67,6 +78,8 @@ class RayRuntime:
         self.keys: list[int | None] = [None] * len(self.actors)  # None: the actor's own host; h: adopted as h
         self.tokens: list[str | None] = [None] * len(self.actors)  # each actor's process, as last loaded
         self.nodes: list[str | None] = [None] * len(self.actors)  # where each actor was last seen
+        self.setups = setups
+        self.keep_actors = False
         self.saves = SaveChain()
         self.notify = lambda event: None  # the driver's queue to its submitter: a wait for room is shown
 
@@ -206,6 +219,9 @@ class RayRuntime:
                 raise NoCapacity(self._no_room_text(sorted(pending)))
             if pending and ready:
                 time.sleep(0.2)
+        if self.setups:  # a kept actor that Ray restarted holds the run it was created for: this one again
+            ray.get([self.actors[h].setup.remote(*self.setups[h]) for h in range(len(self.actors))
+                     if self.keys[h] is None])
         for h, info in enumerate(ray.get([a.info.remote(host=k) for a, k in self._hosts()])):
             self.nodes[h] = info["node_id"]
 
@@ -270,8 +286,10 @@ class RayRuntime:
                 for h, info in enumerate(infos)]
 
     def shutdown(self):
-        for a in {id(a): a for a in self.actors}.values():
-            ray.kill(a)
+        """The client actors killed, unless ``keep_actors`` (their submitter keeps them for the next run)."""
+        if not self.keep_actors:
+            for a in {id(a): a for a in self.actors}.values():
+                ray.kill(a)
         self.actors = []
 
 

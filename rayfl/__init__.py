@@ -4,7 +4,8 @@
 ``rayfl.compare(...)`` algorithms x seeds (a :class:`CompareResult`); ``help(rayfl.run)`` lists every config key
 with its default. ``rayfl.register_algorithm`` / ``register_dataset`` / ``register_model`` make your own known
 by name (docs/your_algorithm.md); ``rayfl.sync(run_dir)`` sends what a run kept while its tracking server was
-away. Importing rayfl stays cheap: torch, Ray and MLflow load when a run starts.
+away; ``rayfl.shutdown()`` ends the local Ray instance (and the actors) that ``rayfl.run`` keeps for the next
+call. Importing rayfl stays cheap: torch, Ray and MLflow load when a run starts.
 """
 
 __version__ = "0.1.0"
@@ -14,7 +15,7 @@ _API = {"run": "rayfl.api", "tune": "rayfl.api", "RunResult": "rayfl.api", "Swee
         "compare": "rayfl.comparison", "CompareResult": "rayfl.comparison",
         "register_dataset": "rayfl.data.datasets", "DatasetSource": "rayfl.data.datasets",
         "register_model": "rayfl.models", "ModelSource": "rayfl.models", "sync": "rayfl.api",
-        "register_algorithm": "rayfl.plugins"}
+        "shutdown": "rayfl.api", "register_algorithm": "rayfl.plugins"}
 
 __all__ = ["__version__", *_API]
 

@@ -8,7 +8,9 @@ module does: :func:`run_spec` for a run, :func:`rayfl.sweep.command.run_sweep` f
 Settings are the config keys of ``rayfl run --help`` as keyword arguments (``clients=10``), algorithm
 knobs in ``params``; a YAML file or a dict may give a base (``config=``) that keywords override. A mistake
 raises :class:`rayfl.UserError` before Ray starts. Ray: the instance this process is already connected to
-(left running), else ``address`` / ``$RAY_ADDRESS``, else a private local instance shut down at the end.
+(left running), else ``address`` / ``$RAY_ADDRESS`` (disconnected at the end), else a private local instance
+that :func:`run` starts and keeps up for the next call in this process, with the run's actors (a next run of
+the same placement reuses them): :func:`shutdown` ends both, as the interpreter's exit does.
 """
 
 from __future__ import annotations
@@ -203,7 +205,9 @@ def run(config: str | dict | Config | None = None, *, resume: str | None = None,
     ``resume=DIR`` goes on from the last checkpoint of a run directory (its own config.yaml is used, but for
     a lower step size given with it: ``lr=``, ``params={"personal_lr": ...}``);
     ``progress``: True prints lines as ``rayfl run`` does, False nothing, or a callable gets each event
-    (see :mod:`rayfl.progress`); ``plugins``: .py files or module names to load first, as ``--plugin``."""
+    (see :mod:`rayfl.progress`); ``plugins``: .py files or module names to load first, as ``--plugin``.
+    A private local Ray instance it starts stays up for the next call, with the run's actors, which a next run
+    of the same placement reuses (:func:`shutdown` ends them)."""
     from rayfl.plugins import as_sources, load_plugins
     from rayfl.provenance import api_call
 
@@ -216,7 +220,7 @@ def run(config: str | dict | Config | None = None, *, resume: str | None = None,
     given = [*(["config"] if config is not None else []), *values]
     resume = check_resume(resume, given, "run", "api")
     spec = RunSpec(None if resume else make_run_config(config, **values), resume, address, command,
-                   step_sizes=values if resume else {})
+                   step_sizes=values if resume else {}, keep=True)
     return run_spec(spec, progress=_progress(progress))
 
 
@@ -238,7 +242,7 @@ def run_spec(spec: RunSpec, progress: Progress = lambda e: None) -> RunResult:
 
         check_checkpoint(resume, prepared)
     tracking = TrackingSpec.of(cfg)
-    with Session(spec.address, tracking, progress) as session:
+    with Session(spec.address, tracking, progress, keep=spec.keep) as session:
         if not session.on_cluster:  # a private instance on this machine:
             from rayfl.actors.resources import preflight
 
@@ -271,13 +275,23 @@ def run_spec(spec: RunSpec, progress: Progress = lambda e: None) -> RunResult:
             session.check_store_shared()  # a file one machine holds: refused on several
             session.check_store_on_cluster()
         out = launch(prepared, tracking.for_run(run_name, tags=origin(spec.command), partition=report.to_dict()),
-                     checkpoint_dir=run_dir, on_round=on_round, on_event=on_event, cluster_may_grow=session.on_cluster)
+                     checkpoint_dir=run_dir, on_round=on_round, on_event=on_event, cluster_may_grow=session.on_cluster,
+                     pool=session.pool)
     result = RunResult(final_summary(out["final"]), _history(out["history"], walls),
                        client_table(out["per_client"], prepared.info), out["run_id"], run_dir, tracking.uri,
                        out["experiment_id"], cfg, out.get("tracking_unsent"),
                        worst_client_samples(out["per_client"].values()), report.warning())
     progress({"event": "done", "result": result})
     return result
+
+
+def shutdown() -> None:
+    """End what :func:`run` keeps between calls in this process: the actors of the last run and the private
+    local Ray instance it started (a Ray you started, or a cluster's, is left alone). The interpreter's exit
+    does the same; the next call starts them again."""
+    from rayfl.session import shutdown as end
+
+    end()
 
 
 def sync(run_dir: str, tracking_uri: str | None = None) -> dict:

@@ -21,6 +21,7 @@ environment would ship.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -355,6 +356,8 @@ def _siblings() -> list[str]:
     """Modules this process imported from a plugin's folder (its helpers), neither rayfl nor installed: they
     travel by value with the plugin, since the workers' disks do not have that folder."""
     folders = _plugin_folders()
+    if not folders:  # no plugin loaded: nothing is its helper (and the walk over every module costs seconds)
+        return []
     out = []
     for name, module in list(sys.modules.items()):
         file = getattr(module, "__file__", None)
@@ -378,8 +381,6 @@ def _not_findable(name: str) -> bool:
     found on a ``sys.path`` entry this process added or on ``$PYTHONPATH``: a worker's path holds the installed
     packages, the submitter's working directory and script directory only). ``__main__`` is pickled by value
     anyway; rayfl and installed packages are imported."""
-    import sysconfig
-
     module = sys.modules.get(name)
     if module is None or name == "__main__" or name.split(".")[0] == "rayfl":
         return False
@@ -387,8 +388,17 @@ def _not_findable(name: str) -> bool:
     if not file:
         return False  # built in, or a namespace package
     file = os.path.realpath(file)
-    installed = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
-    return not any(file.startswith(os.path.realpath(folder) + os.sep) for folder in installed)
+    return not any(file.startswith(folder + os.sep) for folder in _installed_folders())
+
+
+@functools.lru_cache(maxsize=1)
+def _installed_folders() -> tuple[str, ...]:
+    """Where the standard library and installed packages live (read once: sysconfig expands its templates anew
+    on every call, a millisecond each, and a process holds a thousand modules)."""
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    return tuple(sorted({os.path.realpath(paths[k]) for k in ("stdlib", "platstdlib", "purelib", "platlib")}))
 
 
 class Sealed:

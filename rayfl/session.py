@@ -105,6 +105,75 @@ def shutdown_ray() -> None:
     _restore_env()
 
 
+# --------------------------------------------------------------------------------------------------
+# A private instance the Python API started, kept for the next call in this process
+# --------------------------------------------------------------------------------------------------
+class _Kept:
+    """The private Ray instance an API call started and left up (its job id: a Ray that the user shut down and
+    started again is not it), and the actors kept with it (:class:`rayfl.actors.pool.ActorPool`)."""
+
+    job: str | None = None
+    pool = None
+    at_exit = False
+
+
+def _job_id() -> str | None:
+    import ray
+
+    return ray.get_runtime_context().get_job_id() if ray.is_initialized() else None
+
+
+def keep_ray() -> None:
+    """Leave the private instance this process started up for the next API call; down at the latest when the
+    interpreter exits (or at :func:`shutdown`)."""
+    import atexit
+
+    _Kept.job = _job_id()
+    if not _Kept.at_exit:  # registered after ray.init's own handler, so it runs first
+        atexit.register(shutdown)
+        _Kept.at_exit = True
+
+
+def kept_ray() -> bool:
+    """Whether this process is connected to a private instance an API call started and kept."""
+    if _Kept.job is None or "ray" not in sys.modules:
+        return False
+    if _job_id() == _Kept.job:
+        return True
+    _forget()  # the user shut it down (and perhaps started another, theirs)
+    return False
+
+
+def kept_actors():
+    """The actors kept with the kept instance (created empty on first use)."""
+    if _Kept.pool is None:
+        from rayfl.actors.pool import ActorPool
+
+        _Kept.pool = ActorPool()
+    return _Kept.pool
+
+
+def release_actors() -> None:
+    """Kill the actors kept from the last run (their CPUs and GPUs are free again for other work)."""
+    if _Kept.pool is not None:
+        _Kept.pool.close()
+
+
+def _forget() -> None:
+    _Kept.job, _Kept.pool = None, None
+    _restore_env()
+
+
+def shutdown() -> None:
+    """End what the Python API keeps between calls in this process: the actors of the last run and the private
+    Ray instance it started (a Ray the user started, or a cluster, is left as it is). The next call starts
+    them again. Called at the interpreter's exit too."""
+    if kept_ray():
+        release_actors()
+        shutdown_ray()
+    _Kept.job, _Kept.pool = None, None
+
+
 def _set_env(**values: str | None) -> None:
     for key, value in values.items():
         _SAVED_ENV.setdefault(key, os.environ.get(key))
@@ -320,19 +389,26 @@ def load_run_dir(run_dir: str, step_sizes: dict | None = None):
 class Session:
     """What a run, a sweep and a comparison do around their experiments, done one way: check the tracking store
     before anything starts, connect to Ray (a private local instance unless this process is connected or an
-    address is given; shut down when the session ends only if it was started here), make run directories,
-    open the experiment and a parent run, and deliver what a parent's outbox kept. A context manager::
+    address is given; shut down when the session ends only if it was started here, unless ``keep``), make run
+    directories, open the experiment and a parent run, and deliver what a parent's outbox kept. A context
+    manager::
 
         with Session(address, TrackingSpec.of(cfg), emit) as session:
             session.check_store()
             session.start_ray()
             ...
+
+    ``keep`` (the Python API's runs): a private instance started here stays up for the next call in this
+    process (:func:`keep_ray`), and so do the run's actors (:attr:`pool`); a given cluster is disconnected as
+    without it.
     """
 
-    def __init__(self, address: str | None, tracking, emit: Progress = lambda event: None):
+    def __init__(self, address: str | None, tracking, emit: Progress = lambda event: None, keep: bool = False):
         check_address(address)
         self.address, self.tracking, self.emit = address, tracking, emit
+        self.keep = keep
         self.started = False
+        self.kept = False  # connected to the instance an earlier API call kept
         self._experiment_id: str | None = None
 
     def __enter__(self) -> "Session":
@@ -342,10 +418,13 @@ class Session:
         self.close()
 
     def close(self) -> None:
-        """Ray down (and the environment as it was) if this session started it."""
+        """Ray down (and the environment as it was) if this session started it, unless it is kept."""
         if self.started:
             self.started = False
-            shutdown_ray()
+            if self.keep and not self.on_cluster:
+                keep_ray()
+            else:
+                shutdown_ray()
 
     @property
     def on_cluster(self) -> bool:
@@ -373,8 +452,25 @@ class Session:
 
     # --- Ray ---------------------------------------------------------------------------------------------
     def start_ray(self) -> None:
-        """Connected (started here unless this process already is)."""
+        """Connected (started here unless this process already is). Actors kept from an earlier run are
+        killed unless this session may use them (:attr:`pool`); the kept instance is shut down when a cluster is
+        asked for."""
+        if kept_ray():
+            if self.on_cluster:  # the local instance kept from an earlier call is not the cluster asked for
+                shutdown()
+            else:
+                self.kept = True
+                if not self.keep:
+                    release_actors()
         self.started = start_ray(self.address, self.emit) or self.started
+
+    @property
+    def pool(self):
+        """Where a run's actors stay for the next run (:class:`rayfl.actors.pool.ActorPool`): on a private
+        instance that this process keeps, else None (the actors end with the run)."""
+        if self.keep and not self.on_cluster and (self.kept or self.started):
+            return kept_actors()
+        return None
 
     def connect_early(self) -> None:
         """On a cluster, connect before planning: how many machines it spans decides where files go."""

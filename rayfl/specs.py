@@ -204,7 +204,9 @@ class TrackingSpec:
 class RunSpec:
     """One experiment: its Config, or (``resume``) a run directory whose own config.yaml and checkpoint it goes
     on from; ``address``: the Ray cluster (None: $RAY_ADDRESS, else a private local instance); ``command``: the
-    API call that asked for it (None: this process's command line), for the run's provenance tags."""
+    API call that asked for it (None: this process's command line), for the run's provenance tags; ``keep``: a
+    private instance started for it stays up for the next call in this process, and so do its actors (the
+    Python API's runs; :func:`rayfl.session.shutdown` ends them)."""
 
     config: Config | None = None
     resume: str | None = None
@@ -212,6 +214,7 @@ class RunSpec:
     command: str | None = None
     step_sizes: dict = field(default_factory=dict)  # a resume's lower step sizes: {"lr": ..., "params": {...}}
     ui_port: int | None = ViewOptions.ui_port  # where the printed MLflow addresses point (check_ui_port)
+    keep: bool = False
 
 
 @dataclass

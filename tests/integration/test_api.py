@@ -302,7 +302,7 @@ def test_dir_and_help_list_the_public_api_and_every_config_key():
 
     public = {"run", "tune", "compare", "RunResult", "SweepResult", "CompareResult", "SweepFailed", "UserError", "Diverged",
               "Config", "__version__", "register_algorithm", "register_dataset", "DatasetSource", "register_model",
-              "ModelSource", "sync"}
+              "ModelSource", "sync", "shutdown"}
     assert public <= set(dir(rayfl))
     assert not {k for k in dir(rayfl) if not k.startswith("__")} - public  # nothing private
     for name in ("RunResult", "SweepResult", "run", "tune"):
