@@ -108,7 +108,7 @@ def random_mnist(directory, n: int, seed: int = 0) -> str:
 LAYERS = {"unit": "no Ray, no server, no run of the command in a subprocess",
           "integration": "a local Ray instance in this process",
           "system": "the command in subprocesses, MLflow servers, multi-node Ray clusters"}
-CLUSTER_FILES = {"test_multinode.py", "test_multinode_plugins.py", "test_node_loss.py", "test_ray_up.py"}
+CLUSTER_FILES = {"test_multinode.py", "test_node_loss.py", "test_ray_up.py"}
 # Test modules share helpers across layers (``from test_faults import ALGOS``), and this folder's own
 # helpers (conftest, multinode_cluster) are imported by name: every layer's folder is importable.
 for _layer in LAYERS:
