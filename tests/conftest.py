@@ -76,8 +76,23 @@ def ray_session():
     ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def empty_mlflow_store(tmp_path_factory):
+    """An MLflow sqlite store with its tables made, made once: MLflow's schema migrations cost seconds each time
+    a store is created, and a copy of this file is the same empty store (the same rows and schema version)."""
+    from mlflow.tracking import MlflowClient
+
+    path = tmp_path_factory.mktemp("mlflow-empty") / "mlflow.db"
+    MlflowClient(f"sqlite:///{path}").search_experiments()
+    return path
+
+
 @pytest.fixture
-def mlflow_uri(tmp_path):
+def mlflow_uri(tmp_path, empty_mlflow_store):
+    """A private, empty sqlite store in the test's folder."""
+    import shutil
+
+    shutil.copyfile(empty_mlflow_store, tmp_path / "mlflow.db")
     return f"sqlite:///{tmp_path}/mlflow.db"
 
 
