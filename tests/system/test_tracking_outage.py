@@ -105,6 +105,8 @@ def test_a_server_back_after_an_outage_gets_everything_and_no_round_waits(server
     during the outage at their own pace (two checkpoints among them, which keep what was not sent in the run
     directory rather than wait), the run's end waits for the server, and then every round's metrics (once per
     step), its tables and final artifacts are in the same MLflow run, FINISHED, with no outbox left."""
+    if server.proc is None:  # a test before stopped it
+        server.start()
     rounds = 8
     p = prepare(tiny(algo="fedavg", rounds=rounds, checkpoint_every=3, tracking_wait=300))
     restarted, back = threading.Event(), []
@@ -210,8 +212,9 @@ def test_a_server_gone_for_good_costs_tracking_wait_then_sync_delivers_once(serv
         again = rayfl.sync(str(run_dir), tracking_uri=server.uri)
         assert again == {"metrics": 0, "params": 0, "tags": 0, "files": 0, "status": None}
         assert {k: len(client.get_metric_history(run_id, k)) for k in run.data.metrics} == counts
-    finally:
+    except BaseException:  # on success the server stays up, for the next test's run (started only if none is)
         server.stop()
+        raise
 
 
 def test_a_comparison_whose_server_is_gone_keeps_its_table_and_records_and_sync_sends_them(server, tmp_path):
@@ -254,8 +257,9 @@ def test_a_comparison_whose_server_is_gone_keeps_its_table_and_records_and_sync_
         nothing = {"metrics": 0, "params": 0, "tags": 0, "files": 0, "status": None}
         assert rayfl.sync(str(folder), tracking_uri=server.uri) == {str(folder): nothing,
                                                                      str(folder / "fedavg_s0"): nothing}
-    finally:
+    except BaseException:  # on success the server stays up, for the next test's run (started only if none is)
         server.stop()
+        raise
 
 
 def test_a_sweep_whose_server_is_gone_ends_with_its_results_and_sync_sends_its_trials(server, tmp_path):
@@ -290,8 +294,9 @@ def test_a_sweep_whose_server_is_gone_ends_with_its_results_and_sync_sends_its_t
         run_id = path.read_text().strip()
         assert client.get_run(run_id).info.status == "FINISHED"
         assert [s for s, _ in points(client, run_id, "test_acc_mean")] == list(range(1, 9))
-    finally:
+    except BaseException:  # on success the server stays up, for the next test's run (started only if none is)
         server.stop()
+        raise
 
 
 def test_a_server_down_at_the_start_is_one_line_for_run_tune_and_compare(tmp_path):
