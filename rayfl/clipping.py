@@ -70,7 +70,7 @@ def _gram_norm2(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 
 def _matrix_rule(a: torch.Tensor, g: torch.Tensor, shape: torch.Size) -> tuple[torch.Tensor, Callable]:
     """Weight of a layer whose per-sample gradient is g_iᵀ a_i (a: [B, T, p], g: [B, T, q]): its per-sample norms²
-    and a function of the clip factors adding Σ_i c_i g_iᵀ a_i to a tensor of the weight's shape."""
+    and a function of the clip factors writing Σ_i c_i g_iᵀ a_i into a tensor of the weight's shape."""
     B, T, p = a.shape
     q = g.shape[2]
     if T == 1:
@@ -80,10 +80,10 @@ def _matrix_rule(a: torch.Tensor, g: torch.Tensor, shape: torch.Size) -> tuple[t
     else:  # the Gram matrices would cost more than the layer's per-sample gradients: form those (Bu et al. 2022)
         per = torch.bmm(g.transpose(1, 2), a)  # [B, q, p]
         norm2 = per.pow(2).sum((1, 2))
-        return norm2, lambda c, out: out.view(-1).addmv_(per.reshape(B, -1).t(), c)
+        return norm2, lambda c, out: torch.mv(per.reshape(B, -1).t(), c, out=out.view(-1))
 
     def clipped(c: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        return out.view(q, p).addmm_((g * c.view(B, 1, 1)).reshape(B * T, q).t(), a.reshape(B * T, p))
+        return torch.mm((g * c.view(B, 1, 1)).reshape(B * T, q).t(), a.reshape(B * T, p), out=out.view(q, p))
 
     return norm2, clipped
 
@@ -91,7 +91,7 @@ def _matrix_rule(a: torch.Tensor, g: torch.Tensor, shape: torch.Size) -> tuple[t
 def _sum_rule(per: torch.Tensor) -> tuple[torch.Tensor, Callable]:
     """A parameter whose per-sample gradients ``per`` ([B, *shape]) are parameter-sized sums: norms² and sum."""
     flat = per.reshape(per.shape[0], -1)
-    return flat.pow(2).sum(1), lambda c, out: out.view(-1).addmv_(flat.t(), c)
+    return flat.pow(2).sum(1), lambda c, out: torch.mv(flat.t(), c, out=out.view(-1))
 
 
 def _linear(m: nn.Linear, a, g) -> dict:
@@ -149,7 +149,7 @@ def _embedding(m: nn.Embedding, a, g) -> dict:
         norm2 = (same * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
 
         def clipped(c, out):
-            return out.index_add_(0, ids.reshape(-1), (g * c.view(B, 1, 1)).reshape(-1, m.embedding_dim))
+            return out.zero_().index_add_(0, ids.reshape(-1), (g * c.view(B, 1, 1)).reshape(-1, m.embedding_dim))
 
         return norm2, clipped
 
@@ -244,13 +244,11 @@ def clipped_sum(parts: list[tuple], x, y, clip: float, scale: float = 1.0, refer
                 out: list | None = None) -> tuple[list, float, torch.Tensor] | None:
     """Σ_i c_i ∇ℓ_i for every parameter of ``parts`` ([(model, params, loss_fn), ...], their losses summed per
     sample, every sample's gradient over all of them clipped together to C; times ``scale``), the summed loss and
-    the per-sample norms; None where a model's layers cannot be read this way (the caller materializes), and
-    then nothing was written.
+    the per-sample norms; None where a model's layers cannot be read this way (the caller materializes).
     ``reference(parts, x, y)``: the per-sample norms from the per-sample gradients, which the first batch of an
     architecture is checked against too (a layer that mixes samples, or holds them elsewhere than in its first
-    dimension, would keep the summed gradient right and the norms wrong). ``out``: a tensor per parameter the
-    sums are added to (its gradient buffers, zeroed or already holding the step's noise: a fresh 600 kB tensor
-    a step costs page faults); else new ones."""
+    dimension, would keep the summed gradient right and the norms wrong). ``out``: a tensor per parameter to
+    write the sums into (its gradient buffers: a fresh 600 kB tensor a step costs page faults)."""
     trained = {id(p) for _, params, _ in parts for p in params}
     all_units, hooks, capturing, check = [], [], [True], []
     for model, _, _ in parts:
@@ -372,10 +370,9 @@ def clipped_sum(parts: list[tuple], x, y, clip: float, scale: float = 1.0, refer
     factor = (clip / (norms + 1e-6)).clamp(max=1.0)
     if scale != 1.0:
         factor = factor * scale
-    out = out if out is not None else [torch.zeros_like(p) for p in params]
-    for p, o in zip(params, out):  # each rule adds into its parameter's tensor (a view of it: not returned)
-        if id(p) in rules:
-            rules[id(p)][1](factor, o)
+    out = out if out is not None else [torch.empty_like(p) for p in params]
+    for p, o in zip(params, out):  # each rule writes into its parameter's tensor (a view of it: not returned)
+        rules[id(p)][1](factor, o) if id(p) in rules else o.zero_()
     sums = list(out)
     return sums, loss, norms
 

@@ -413,35 +413,17 @@ def materialized_sum(parts: list[tuple], x, y, clip: float) -> tuple[list, float
 _NOISE: dict = {}  # count -> the CPU buffer the last draws of that many went into
 
 
-def gaussian_noise(count: int, gen, device, std: float = 1.0, into=None) -> Any:
-    """``count`` draws of N(0, std²) from ``gen`` (on the CPU, moved to ``device``), one call for a whole
-    gradient: the draws are most of what DP adds to a small model's step. ``into``: a CPU tensor of ``count``
-    elements to draw into (the gradient's own flat buffer: no copy and no addition after); else a buffer kept
-    for the next step (a fresh 600 kB tensor a step costs page faults), valid until the next call for as many
-    draws."""
+def gaussian_noise(count: int, gen, device) -> Any:
+    """``count`` standard normal draws from ``gen`` (on the CPU, moved to ``device``), one call for a whole
+    gradient, into a buffer kept for the next step (a fresh 600 kB tensor a step costs page faults): the draws
+    are most of what DP adds to a small model's step. Valid until the next call for as many draws."""
     import torch
 
-    buf = into
+    buf = _NOISE.get(count)
     if buf is None:
-        buf = _NOISE.get(count)
-        if buf is None:
-            _NOISE.clear()  # one size at a time (a run's model); a new size replaces it
-            buf = _NOISE[count] = torch.empty(count)
-    return buf.normal_(0.0, std, generator=gen).to(device)
-
-
-def tiled_buffer(tensors: list) -> Any:
-    """The one flat CPU tensor that ``tensors`` are consecutive views of, in order and covering it whole
-    (FlatSGD's gradient buffer through each parameter's ``.grad``), or None."""
-    base = tensors[0]._base if tensors else None
-    if base is None or base.dim() != 1 or not base.is_contiguous() or base.device.type != "cpu":
-        return None
-    offset = base.storage_offset()
-    for t in tensors:
-        if t._base is not base or not t.is_contiguous() or t.storage_offset() != offset:
-            return None
-        offset += t.numel()
-    return base if offset == base.storage_offset() + base.numel() else None
+        _NOISE.clear()  # one size at a time (a run's model); a new size replaces it
+        buf = _NOISE[count] = torch.empty(count)
+    return buf.normal_(generator=gen).to(device)
 
 
 def noisy_gradient(parts: list[tuple], x, y, noise: float, clip: float, expected: float, gen,
@@ -451,39 +433,33 @@ def noisy_gradient(parts: list[tuple], x, y, noise: float, clip: float, expected
     summed loss). The clipped sum comes from per-sample norms without per-sample gradients
     (:mod:`rayfl.clipping`) where the model's layers allow, else (or with ``materialize``) from the per-sample
     gradients; the noise is the same draw either way. ``out``: a tensor per parameter to write the gradient into
-    (returned), else new ones. Where ``out`` tiles one flat buffer (FlatSGD's), the noise is drawn into it first,
-    already scaled, and the clipped sum added to it: one pass over the gradient fewer."""
+    (returned), else new ones."""
     import torch
 
     from rayfl import clipping
 
-    params = [p for _, ps, _ in parts for p in ps]
-    out = list(out) if out is not None else [torch.empty_like(p) for p in params]
-    std = noise * clip / expected  # N(0, σ²C²) per coordinate, over the expected batch size
-    flat = tiled_buffer(out) if noise > 0 else None
-    if flat is not None:
-        gaussian_noise(flat.numel(), gen, flat.device, std, into=flat)
-    else:
-        for o in out:
-            o.zero_()
     fast = None
     if x.shape[0] and not materialize:
         fast = clipping.clipped_sum(parts, x, y, clip, 1.0 / expected,  # already over the expected batch size
                                     reference=lambda *batch: materialized_sum(*batch, clip)[2], out=out)
-    loss = 0.0
     if fast is not None:
-        loss = fast[1]
-    elif x.shape[0]:
-        sums, loss, _ = materialized_sum(parts, x, y, clip)
-        for o, total in zip(out, sums):
-            o.add_(total, alpha=1.0 / expected)
-    if noise > 0 and flat is None and out:
-        z = gaussian_noise(sum(t.numel() for t in out), gen, out[0].device)
-        offset = 0
-        for total in out:
-            total.add_(z[offset:offset + total.numel()].view_as(total), alpha=std)
-            offset += total.numel()
-    return out, loss
+        sums, loss, _ = fast
+    else:
+        sums, loss = [torch.zeros_like(p) for _, ps, _ in parts for p in ps], 0.0
+        if x.shape[0]:
+            sums, loss, _ = materialized_sum(parts, x, y, clip)
+        for total in sums:
+            total.div_(expected)
+        if out is not None:
+            for o, total in zip(out, sums):
+                o.copy_(total)
+            sums = list(out)
+    z = gaussian_noise(sum(t.numel() for t in sums), gen, sums[0].device) if noise > 0 and sums else None
+    offset = 0
+    for total in sums if z is not None else ():  # + N(0, σ²C²) per coordinate, over the expected batch size
+        total.add_(z[offset:offset + total.numel()].view_as(total), alpha=noise * clip / expected)
+        offset += total.numel()
+    return sums, loss
 
 
 def set_grads(params: list, grads: list) -> None:

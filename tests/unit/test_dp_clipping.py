@@ -108,31 +108,6 @@ def test_the_noised_sum_equals_the_materialized_paths_on_the_same_batch_and_nois
     assert not torch.allclose(other[0], fast[0])  # the noise is in it
 
 
-def test_the_noise_drawn_into_flatsgds_buffer_gives_the_same_gradient():
-    """Where the gradients are views of one flat buffer (FlatSGD's), the noise is drawn into it and the clipped
-    sum added: the same gradient as the separate tensors' path (the clipped sum, then the same draws added), and
-    written where the optimizer reads it. Independent reference: autograd per sample, plus the generator's draws
-    times σC / B."""
-    torch.manual_seed(0)
-    model = training.flatten(CASES["linear"][0]())
-    x, y = CASES["linear"][1](torch.Generator().manual_seed(2))
-    params = [p for p in model.parameters() if p.requires_grad]
-    parts = [(model, params, F.cross_entropy)]
-    flat = training.flat_grad(model)
-    views = [p.grad for p in params]
-    assert privacy.tiled_buffer(views) is flat and privacy.tiled_buffer(views[1:]) is None
-    got, _ = privacy.noisy_gradient(parts, x, y, 1.3, 0.5, 4.0, torch.Generator().manual_seed(3), out=views)
-    assert all(g is v for g, v in zip(got, views))
-    apart, _ = privacy.noisy_gradient(parts, x, y, 1.3, 0.5, 4.0, torch.Generator().manual_seed(3))
-    assert privacy.tiled_buffer(apart) is None
-    _, sums = reference(model, params, F.cross_entropy, x, y, 0.5)
-    z = torch.empty(flat.numel()).normal_(generator=torch.Generator().manual_seed(3)).double()
-    want = torch.cat([s.reshape(-1) for s in sums]) / 4.0 + z * (1.3 * 0.5 / 4.0)
-    np.testing.assert_allclose(flat.double().numpy(), want.numpy(), rtol=1e-4, atol=1e-6)
-    np.testing.assert_allclose(torch.cat([a.reshape(-1) for a in apart]).numpy(), flat.numpy(), rtol=1e-5,
-                               atol=1e-7)
-
-
 def test_a_layer_without_a_rule_falls_back_for_itself_and_says_so_once():
     torch.manual_seed(0)
     model = Mixed(scale=True)
