@@ -374,8 +374,9 @@ def _compare(spec: CompareSpec, session: Session, planned: list, prepared: list,
             outcome = f"diverged at round {e.round}"
             rows = [{"algo": row, "seed": cfg.seed, "run_id": None, "diverged": e.round}]
         else:
-            key = "test_acc_mean" if "test_acc_mean" in out["final"] else "test_loss_mean"
-            outcome = f"{key} {out['final'].get(key, math.nan):.4f}"
+            acc = "test_acc_mean" in out["final"]  # the number as the table will show it (cell)
+            value = cell(out["final"].get("test_acc_mean" if acc else "test_loss_mean", math.nan), math.nan, acc)
+            outcome = f"test {'accuracy' if acc else 'loss'} {value}" + ("%" if acc and value != "-" else "")
             rows = final_rows(row, cfg.seed, out)
             histories.setdefault(row, []).append(out.get("history") or [])
         for r in rows:

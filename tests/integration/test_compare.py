@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 
 import numpy as np
 import pandas as pd
@@ -203,7 +204,9 @@ def test_two_algorithms_two_seeds(mlflow_uri, tmp_path):
     assert "3 clients; training samples min 36" in lines[1]  # the federation of each seed, once
     done = lines[3:7]
     assert [line.split(" done")[0] for line in done] == [f"compare: {k}/4" for k in (1, 2, 3, 4)]
-    assert "local s0: test_acc_mean" in done[0] and ", eta " in done[0] and done[3].endswith("eta 0:00")
+    # each run's number as the table shows it (percent, two decimals)
+    assert re.search(r"\(local s0: test accuracy \d+\.\d\d%\)", done[0]) and ", eta " in done[0]
+    assert done[3].endswith("eta 0:00")
     assert lines[7] == f"compare: the table and each run's directory are in {tmp_path / 'runs' / 'compare' / 'two'}"
     assert f"this comparison: {res.mlflow_url}" in lines[8] and res.run_id in res.mlflow_url
     # on disk: the table as logged, and a run directory per (row, seed) with its resolved config
