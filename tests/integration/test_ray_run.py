@@ -118,18 +118,24 @@ def test_every_algorithm_runs_in_client_actors(ray_session, mlflow_uri):
     from rayfl.algorithms import algorithm_names
     from rayfl.inprocess import run_in_process
 
+    from rayfl.actors.pool import ActorPool
+
     client = MlflowClient(mlflow_uri)
     assert set(algorithm_names()) == set(ALGOS)  # every registered algorithm has its small settings
     exp = ensure_experiment(mlflow_uri, "tests")
-    for algo in algorithm_names():
-        cfg = tiny(algo=algo, clients=4, rounds=2, clients_per_actor=2, **ALGOS[algo])
-        on_ray = launch(prepare(cfg), None)
-        tracked = run_in_process(prepare(cfg), {"tracking_uri": mlflow_uri, "experiment_id": exp,
-                                                "run_name": f"all-{algo}"})
-        assert len(on_ray["history"]) == len(tracked["history"]) > 0, algo
-        for a, b in zip(on_ray["history"], tracked["history"]):
-            assert a["test_acc_mean"] == pytest.approx(b["test_acc_mean"], rel=1e-5, abs=1e-7), algo
-        run = client.get_run(tracked["run_id"])
-        assert run.info.status == "FINISHED", algo
-        assert run.data.metrics["test_acc_mean"] == pytest.approx(tracked["history"][-1]["test_acc_mean"]), algo
-        assert len(client.get_metric_history(run.info.run_id, "test_acc_mean")) == len(tracked["history"]), algo
+    pool = ActorPool()  # the actors of one algorithm's run serve the next where the shape matches (as rayfl.run's)
+    try:
+        for algo in algorithm_names():
+            cfg = tiny(algo=algo, clients=4, rounds=2, clients_per_actor=2, **ALGOS[algo])
+            on_ray = launch(prepare(cfg), None, pool=pool)
+            tracked = run_in_process(prepare(cfg), {"tracking_uri": mlflow_uri, "experiment_id": exp,
+                                                    "run_name": f"all-{algo}"})
+            assert len(on_ray["history"]) == len(tracked["history"]) > 0, algo
+            for a, b in zip(on_ray["history"], tracked["history"]):
+                assert a["test_acc_mean"] == pytest.approx(b["test_acc_mean"], rel=1e-5, abs=1e-7), algo
+            run = client.get_run(tracked["run_id"])
+            assert run.info.status == "FINISHED", algo
+            assert run.data.metrics["test_acc_mean"] == pytest.approx(tracked["history"][-1]["test_acc_mean"]), algo
+            assert len(client.get_metric_history(run.info.run_id, "test_acc_mean")) == len(tracked["history"]), algo
+    finally:
+        pool.close()

@@ -47,7 +47,10 @@ def interrupted(tmp_path_factory):
     root = tmp_path_factory.mktemp("interrupted")
     (root / "space.yaml").write_text("grid:\n  lr: [" + ", ".join(map(str, LRS)) + "]\n")
     env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
-    cmd = [sys.executable, "-c", "import sys; from rayfl.cli import main; sys.exit(main(sys.argv[1:]))", "tune",
+    # Ctrl-C as a terminal delivers it: the command's SIGINT handled as Python's default even when this test
+    # runs where SIGINT is ignored (a background job of a shell passes SIG_IGN on to its children)
+    cmd = [sys.executable, "-c", "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+           "from rayfl.cli import main; sys.exit(main(sys.argv[1:]))", "tune",
            "--algo", "fedavg", "--space", str(root / "space.yaml"), *TINY, "--tracking-uri",
            f"sqlite:///{root}/mlflow.db", "--max-concurrent", "1", "--storage-path", str(root / "tune"),
            "--name", "s"]
