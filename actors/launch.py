@@ -91,7 +91,7 @@ def launch(prepared, tracking: dict | None, checkpoint_dir: str | None = None,
         # the driver and the client actors start side by side (each is a process that imports torch); the
         # driver first: its MLflow work is the longest path to the first round
         args = (Sealed(light), resources, tracking, checkpoint_dir, resume, wait_for_room)
-        driver = _set_up(old_driver, "setup", args)
+        driver = _set_up(old_driver, args)
         if driver is None:
             driver = DriverActor.options(num_cpus=DRIVER_CPUS, **(driver_options or {})).remote(*args)
         with _ray_warnings_to_log():
@@ -174,12 +174,12 @@ def _client_actors(light, x_ref, y_ref, resources, n_actors: int, actor_options,
     return actors, kept, None, kept
 
 
-def _set_up(actor, method: str, args: tuple):
-    """A kept actor given a new run (its ``method``), or None when there is none or it died meanwhile."""
+def _set_up(actor, args: tuple):
+    """A kept driver given a new run (:meth:`DriverActor.setup`), or None when there is none or it died meanwhile."""
     if actor is None:
         return None
     try:
-        ray.get(getattr(actor, method).remote(*args))
+        ray.get(actor.setup.remote(*args))
         return actor
     except ray.exceptions.RayError:
         ray.kill(actor)

@@ -17,16 +17,9 @@ import argparse
 import os
 import sys
 
-import numpy as np
 import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def purity(clusters, groups) -> float:
-    """The fraction of clients whose cluster's most common group is their own."""
-    clusters, groups = np.asarray(clusters), np.asarray(groups)
-    return sum(np.bincount(groups[clusters == c]).max() for c in np.unique(clusters)) / len(groups)
 
 
 def main() -> None:
@@ -34,6 +27,7 @@ def main() -> None:
     from rayfl.config import make_config
     from rayfl.experiment import prepare
     from rayfl.loop import Loop
+    from rayfl.metrics import cluster_purity
     from rayfl.runtime import LocalRuntime
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -62,7 +56,7 @@ def main() -> None:
         split = next((i + 1 for i, h in enumerate(loop.history) if h["clusters"] > 1), None)
         clusters, groups = loop.server.artifacts()["cluster"], p.info.groups
         print(f"seed {seed}: first split in round {split}, {len(set(clusters))} clusters, purity "
-              f"{purity(clusters, groups):.2f}, completeness {purity(groups, clusters):.2f}, test "
+              f"{cluster_purity(clusters, groups):.2f}, completeness {cluster_purity(groups, clusters):.2f}, test "
               f"{100 * loop.final['test_acc_mean']:.2f}; mean/max update norm by round: {norms}", flush=True)
 
 

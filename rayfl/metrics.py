@@ -97,3 +97,10 @@ def few_samples_note(counts) -> str:
         return few_samples_note(next(iter(counts.values())))
     each = ", ".join(f"{int(n)} ({label})" for label, n in counts.items())
     return f"{FEW_SAMPLES_MARK} rests on {each} test samples (the worst client's; fewer than {MIN_EVAL_SAMPLES})"
+
+
+def cluster_purity(clusters, groups) -> float:
+    """The fraction of clients whose cluster's most common true group is their own (clusters found, e.g. by
+    Clustered FL, against a federation's known groups; with the arguments swapped: how whole each group stays)."""
+    clusters, groups = np.asarray(clusters), np.asarray(groups)
+    return sum(np.bincount(groups[clusters == c]).max() for c in np.unique(clusters)) / len(groups)

@@ -250,12 +250,12 @@ def summary_table(final: dict, worst_samples: int | None = None, caveat: str | N
     metrics = [m for m in ("test_acc", "val_acc", "test_loss", *extra) if f"{m}_mean" in final]  # FedMoE's too
     width = max([10, *(len(m) + 2 for m in metrics)])
     stats = ("mean", "weighted_mean", "std", "worst", "bottom10_mean")
-    marked = ("test_acc" if "test_acc_mean" in final else "test_loss", "worst") if few_samples(worst_samples) else None
+    marked = ("test_acc" if "test_acc_mean" in final else "test_loss") if few_samples(worst_samples) else None
     rows = []
     for m in metrics:
         cells = [f"{final.get(f'{m}_{s}', float('nan')):>12.4f}" for s in stats]
-        if marked and m == marked[0]:  # the mark after its number, in the next column's leading space
-            k = stats.index(marked[1])
+        if m == marked:  # the mark after the worst client's number, in the next column's leading space
+            k = stats.index("worst")
             cells[k] += FEW_SAMPLES_MARK
             if k + 1 < len(cells) and cells[k + 1].startswith(" "):
                 cells[k + 1] = cells[k + 1][1:]

@@ -10,13 +10,8 @@ one on disk.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from rayfl import checkpoint, snapshot
 from rayfl.runtime import ClientsLost
-
-if TYPE_CHECKING:
-    from rayfl.loop import Loop
 
 
 class NoCapacity(RuntimeError):
@@ -28,9 +23,10 @@ class NoCapacity(RuntimeError):
 
 
 class Recovery:
-    """The snapshots of one loop and the restarts it has survived."""
+    """The snapshots of one loop (a :class:`rayfl.loop.Loop`, which owns this object; not imported here: the loop
+    imports this module) and the restarts it has survived."""
 
-    def __init__(self, loop: "Loop"):
+    def __init__(self, loop):
         self.loop = loop
         self.snapshots: list[dict] = []  # the last two, newest last
         self.restarts = 0  # client-actor faults survived

@@ -21,6 +21,7 @@ from rayfl.algorithms.cfl import (CFLClient, CFLParams, CFLServer, accept_split,
                                   mean_update_norm, split_criterion, update_norm)
 from rayfl.client import Client, TrainSettings
 from rayfl.experiment import prepare
+from rayfl.metrics import cluster_purity
 from rayfl.loop import Loop
 from rayfl.reduce import reduce_uploads
 from rayfl.runtime import LocalRuntime
@@ -382,17 +383,10 @@ def test_the_split_separates_two_groups(partition):
     assert loop.final["test_acc_mean"] > 0.3  # above chance (0.1) on the synthetic data
 
 
-def purity(clusters, groups) -> float:
-    """The fraction of clients whose cluster's most common group is their own."""
-    clusters, groups = np.asarray(clusters), np.asarray(groups)
-    hits = sum(np.bincount(groups[clusters == c]).max() for c in np.unique(clusters))
-    return hits / len(groups)
-
-
 def test_purity_by_hand():
-    assert purity([0, 0, 1, 1], [0, 0, 1, 1]) == 1.0
-    assert purity([0, 0, 0, 1], [0, 1, 1, 1]) == 0.75
-    assert purity([0, 0, 0, 0], [0, 0, 1, 1]) == 0.5
+    assert cluster_purity([0, 0, 1, 1], [0, 0, 1, 1]) == 1.0
+    assert cluster_purity([0, 0, 0, 1], [0, 1, 1, 1]) == 0.75
+    assert cluster_purity([0, 0, 0, 0], [0, 0, 1, 1]) == 0.5
 
 
 def test_the_fedfomo_authors_thresholds_split_two_conflicting_groups_within_20_rounds():
@@ -406,6 +400,6 @@ def test_the_fedfomo_authors_thresholds_split_two_conflicting_groups_within_20_r
     first = next(i for i, h in enumerate(loop.history) if h["clusters"] > 1)
     before = loop.history[first]
     assert first < 20 and before["splits"] >= 1
-    assert purity(loop.server.artifacts()["cluster"], p.info.groups) >= 0.9
+    assert cluster_purity(loop.server.artifacts()["cluster"], p.info.groups) >= 0.9
     # the rounds before the split did not meet the criterion, the split round did
     assert all(not (h["mean_update_norm"] < 0.42 and h["max_update_norm"] > 1.6) for h in loop.history[:first])
